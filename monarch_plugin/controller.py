@@ -1,0 +1,490 @@
+"""The single controller: spawns replica groups on Monarch, decides every generation, replaces the dead.
+
+It lives in the user's process and knows nothing about any training framework. Its whole vocabulary is
+replicas (one Monarch ProcMesh each), generations (numbered plans in a TCPStore it hosts) and policies
+(min/max replicas, restarts, crash loops). Deaths reach it three ways, whichever is first: a pidfd that
+becomes readable when a local worker process exits (milliseconds), Monarch supervision (the replaced
+`unhandled_fault_hook`, ~0.5 s), and a failed call to the replica's actor. A member that reports a
+stalled reduction gets its peers' phases checked, and the one stuck outside the reduction is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# Monarch reads these when its runtime starts: the defaults notice a dead proc 7-30 s late.
+os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
+os.environ.setdefault("HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE", "2s")
+
+import datetime  # noqa: E402
+import queue  # noqa: E402
+import re  # noqa: E402
+import select  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
+
+from monarch_plugin.backend import resolve_backend  # noqa: E402
+from monarch_plugin.config import ElasticConfig  # noqa: E402
+from monarch_plugin.errors import ElasticRunAborted, ReplicaCodeError  # noqa: E402
+from monarch_plugin.events import EventLog, read_events  # noqa: E402
+from monarch_plugin.target import Target  # noqa: E402
+
+__all__ = ["ElasticController", "RunResult"]
+
+_MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class RunResult:
+    """What `ElasticController.run` returns once every member finished training."""
+
+    values: dict[int, list[Any]]
+    """Return value of the target per finishing replica id (one entry per proc of the replica)."""
+    generations: int
+    replicas_spawned: int
+    deaths: int
+    events_path: str
+    seconds: float
+
+
+@dataclass
+class _Replica:
+    rid: int
+    initial: bool
+    state: str = "spawning"  # spawning -> waiting -> member -> finished | dead | stopped
+    mesh: Any = None
+    control: Any = None
+    actor: Any = None
+    pids: list[int] = field(default_factory=list)
+    spawned_at: float = 0.0
+    results: list[Any] | None = None
+    admitted: bool = False
+    mesh_stopped: bool = False
+
+
+class ElasticController:
+    """Runs `target` on `config.replicas` replica groups and keeps it running through worker deaths."""
+
+    def __init__(self, config: ElasticConfig, target: Target):
+        config.validate()
+        resolve_backend(config.intra_backend)
+        resolve_backend(config.cross_backend)
+        self.config = config
+        self.target = target
+        self.events = EventLog(config.events_path, source="controller")
+        self.replicas: dict[int, _Replica] = {}
+        self.gen = -1
+        self.members: list[int] = []
+        self.deaths = 0
+        self.restarts = 0
+        self.early_deaths = 0
+        self._q: queue.Queue = queue.Queue()
+        self._pidfds: dict[int, tuple[int, int]] = {}  # fd -> (rid, pid)
+        self._pidfd_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._respawn_at: list[float] = []
+        self.store: dist.TCPStore | None = None
+        self._last_death = ""
+
+    # -- public ------------------------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        import monarch.actor
+
+        t0 = time.time()
+        previous_hook = monarch.actor.unhandled_fault_hook
+        monarch.actor.unhandled_fault_hook = self._on_mesh_failure
+        watcher = threading.Thread(target=self._watch_pidfds, name="monarch-plugin-pidfd", daemon=True)
+        try:
+            self.store = dist.TCPStore(
+                self.config.store_host, 0, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.config.join_timeout_s),
+            )
+            self.store.set("latest", "-1")
+            self.events.emit(
+                "run_start", target=self.target.describe(), replicas=self.config.replicas,
+                min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,
+                procs_per_replica=self.config.procs_per_replica, store_port=self.store.port,
+            )
+            watcher.start()
+            for _ in range(self.config.replicas):
+                self._spawn(initial=True)
+            self._wait_for_initial()
+            self._supervise()
+            return RunResult(
+                values={r.rid: r.results for r in self.replicas.values() if r.state == "finished"},
+                generations=self.gen + 1,
+                replicas_spawned=len(self.replicas),
+                deaths=self.deaths,
+                events_path=self.config.events_path,
+                seconds=time.time() - t0,
+            )
+        finally:
+            self._shutdown()
+            monarch.actor.unhandled_fault_hook = previous_hook
+
+    # -- spawning ------------------------------------------------------------------------------------------
+
+    def _spawn(self, initial: bool) -> None:
+        rid = len(self.replicas)
+        replica = _Replica(rid=rid, initial=initial, spawned_at=time.time())
+        self.replicas[rid] = replica
+        if not initial:
+            self.restarts += 1
+        threading.Thread(target=self._spawn_worker, args=(replica,), daemon=True, name=f"spawn-{rid}").start()
+
+    def _spawn_worker(self, replica: _Replica) -> None:
+        from monarch.actor import this_host
+
+        from monarch_plugin.worker.actors import ControlActor, ReplicaActor
+
+        k = self.config.procs_per_replica
+        env = {
+            **self.config.env,
+            **self.config.to_env(),
+            "MONARCH_PLUGIN_REPLICA_ID": str(replica.rid),
+            "MONARCH_PLUGIN_INITIAL": "1" if replica.initial else "0",
+            "MONARCH_PLUGIN_STORE_HOST": self.config.store_host,
+            "MONARCH_PLUGIN_STORE_PORT": str(self.store.port),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(k),
+            "LOCAL_WORLD_SIZE": str(k),
+        }
+        try:
+            mesh = this_host().spawn_procs(per_host={"procs": k}, name=f"replica{replica.rid}")
+            replica.mesh = mesh
+            replica.control = mesh.spawn(f"r{replica.rid}_control", ControlActor)
+            replica.actor = mesh.spawn(f"r{replica.rid}_replica", ReplicaActor, env)
+            infos = list(replica.control.info.call().get(timeout=self.config.join_timeout_s).values())
+            replica.pids = [i["pid"] for i in infos]
+            for pid in replica.pids:
+                self._watch_pid(replica.rid, pid)
+            future = replica.actor.run.call(self.target)
+        except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
+            self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
+            return
+        self.events.emit("spawn", replica=replica.rid, pids=replica.pids, initial=replica.initial,
+                         seconds=round(time.time() - replica.spawned_at, 3))
+        self._q.put(("spawned", replica.rid, None))
+        try:
+            results = list(future.get().values())
+        except Exception as e:  # noqa: BLE001 - supervision errors mean the process died
+            self._q.put(("died", replica.rid, f"supervision: {type(e).__name__}"))
+            return
+        self._q.put(("returned", replica.rid, results))
+
+    def _wait_for_initial(self) -> None:
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while True:
+            self._drain(timeout=0.02)
+            if self._closing.is_set():
+                return
+            ready = [r.rid for r in self.replicas.values() if r.state == "waiting"]
+            pending = [r for r in self.replicas.values() if r.state == "spawning" and r.initial]
+            if not pending or time.monotonic() > deadline:
+                break
+        if len(ready) < self.config.min_replicas:
+            why = f"; last error: {self._last_death}" if self._last_death else ""
+            self._give_up(
+                f"only {len(ready)} of {self.config.replicas} replicas started (min_replicas="
+                f"{self.config.min_replicas}, join_timeout_s={self.config.join_timeout_s:.0f}){why}"
+            )
+        self._announce(ready[: self.config.max_replicas], reason="start", interrupt=False)
+
+    # -- the supervision loop ------------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        while not self._closing.is_set():
+            self._drain(timeout=0.02)
+            if self._closing.is_set():
+                return
+            self._respawn_due()
+            self._admit_ready()
+            self._check_stalled()
+            live = [m for m in self.members if self.replicas[m].state == "member"]
+            if self.members and not live and all(self.replicas[m].state == "finished" for m in self.members):
+                self.events.emit("run_end", gen=self.gen, members=self.members)
+                return
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            item = self._q.get(timeout=timeout)
+        except queue.Empty:
+            item = None
+        while item is not None:
+            self._handle(*item)
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                item = None
+        for r in self.replicas.values():
+            if r.state == "spawning" and r.pids and self._is_ready(r):
+                r.state = "waiting"
+
+    def _handle(self, kind: str, rid: int, payload: Any) -> None:
+        replica = self.replicas.get(rid)
+        if replica is None:
+            return
+        if kind == "spawned":
+            return
+        if kind == "died":
+            self._on_death(replica, payload)
+        elif kind == "returned":
+            self._on_return(replica, payload)
+
+    def _is_ready(self, replica: _Replica) -> bool:
+        key = f"ready/{replica.rid}"
+        return self.store.check([key]) and self.store.add(key, 0) >= self.config.procs_per_replica
+
+    def _on_return(self, replica: _Replica, results: list[dict]) -> None:
+        errors = [r for r in results if r.get("status") == "error"]
+        if errors:
+            replica.state = "dead"
+            self.events.emit("user_error", replica=replica.rid, error=errors[0]["error"])
+            self._stop_everything()
+            raise ReplicaCodeError(
+                f"the training code raised in replica {replica.rid}: {errors[0]['error']}\n"
+                f"--- replica traceback ---\n{errors[0]['traceback']}"
+            )
+        if all(r.get("status") == "ok" for r in results):
+            replica.state = "finished"
+            replica.results = [r.get("value") for r in results]
+            self.events.emit("finished", replica=replica.rid)
+        elif replica.state not in ("dead",):
+            replica.state = "stopped"
+
+    def _on_death(self, replica: _Replica, how: str) -> None:
+        if replica.state in ("dead", "finished", "stopped"):
+            return
+        was_member = replica.state == "member"
+        replica.state = "dead"
+        self._last_death = how
+        self.deaths += 1
+        self.events.emit("death", replica=replica.rid, pids=replica.pids, detected_by=how,
+                         gen=self.gen, was_member=was_member)
+        self._unwatch(replica.rid)
+        threading.Thread(target=_stop_mesh, args=(replica,), daemon=True).start()
+        if not replica.initial and not replica.admitted:
+            self.early_deaths += 1
+        if self._closing.is_set():
+            return
+        if was_member:
+            survivors = [m for m in self.members if self.replicas[m].state == "member"]
+            if len(survivors) < self.config.min_replicas:
+                self._give_up(
+                    f"{len(survivors)} live replica(s) left, below min_replicas={self.config.min_replicas}: "
+                    "stopping (lower --min-replicas to keep training on fewer)",
+                )
+                return
+            survivors += self._ready_waiting(limit=self.config.max_replicas - len(survivors))
+            self._announce(survivors, reason=f"replica {replica.rid} died", interrupt=True)
+        if self.early_deaths >= self.config.crash_loop_limit > 0:
+            self._give_up(
+                f"{self.early_deaths} replacement replicas in a row died before joining: a crash loop, "
+                "probably a bug in the training code or the environment; see the worker logs"
+            )
+            return
+        self._schedule_respawn()
+
+    def _schedule_respawn(self) -> None:
+        alive = [r for r in self.replicas.values() if r.state in ("spawning", "waiting", "member")]
+        if len(alive) + len(self._respawn_at) >= self.config.replicas:
+            return
+        if self.restarts + len(self._respawn_at) >= self.config.max_restarts:
+            self.events.emit("no_respawn", reason=f"max_restarts={self.config.max_restarts} used")
+            return
+        delay = 0.0
+        if self.config.restart_backoff_s > 0:
+            delay = min(self.config.restart_backoff_s * 2 ** self.early_deaths, _MAX_BACKOFF_S)
+        self._respawn_at.append(time.monotonic() + delay)
+
+    def _respawn_due(self) -> None:
+        now = time.monotonic()
+        due = [t for t in self._respawn_at if t <= now]
+        for t in due:
+            self._respawn_at.remove(t)
+            self._spawn(initial=False)
+
+    def _ready_waiting(self, limit: int) -> list[int]:
+        return [r.rid for r in self.replicas.values() if r.state == "waiting"][: max(limit, 0)]
+
+    def _admit_ready(self) -> None:
+        if not self.members:
+            return
+        current = [m for m in self.members if self.replicas[m].state == "member"]
+        if len(current) != len(self.members):
+            return  # the generation is finishing or changing; admit at the next one
+        newcomers = self._ready_waiting(limit=self.config.max_replicas - len(current))
+        if newcomers:
+            self._announce(current + newcomers, reason=f"replica(s) {newcomers} ready", interrupt=False)
+
+    def _check_stalled(self) -> None:
+        key = f"stalled/{self.gen}"
+        if self.gen < 0 or not self.store.check([key]):
+            return
+        suspects = []
+        for m in self.members:
+            replica = self.replicas[m]
+            if replica.state != "member":
+                continue
+            try:
+                statuses = list(replica.control.status.call().get(timeout=5.0).values())
+            except Exception:  # noqa: BLE001 - an unreachable control actor is itself the answer
+                suspects.append(replica)
+                continue
+            if any(s["phase"] not in ("reduce", "finish", "join") and s["now"] - s["since"] >
+                   self.config.collective_timeout_s for s in statuses):
+                suspects.append(replica)
+        if not suspects:
+            self._announce(list(self.members), reason="stalled reduction, all members responsive",
+                           interrupt=True)
+            return
+        for replica in suspects:
+            self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen)
+            _kill(replica.pids)
+            self._on_death(replica, "hang")
+
+    # -- generations ---------------------------------------------------------------------------------------
+
+    def _announce(self, members: list[int], reason: str, interrupt: bool, action: str = "train") -> None:
+        """Publish generation gen+1. `interrupt` aborts the steps in flight (a death); otherwise members
+        move at the next step boundary they all agree on (a grow)."""
+        self.gen += 1
+        g = self.gen
+        previous = [m for m in self.members if self.replicas[m].state == "member"]
+        self.members = list(members)
+        plan = {"gen": g, "members": self.members, "action": action, "reason": reason}
+        self.store.set(f"plan/{g}", json.dumps(plan))
+        self.store.set("latest", str(g))
+        for m in self.members:
+            replica = self.replicas[m]
+            if replica.state == "waiting" and not replica.initial:
+                replica.admitted = True
+                self.early_deaths = 0
+            replica.state = "member"
+        for m in previous:
+            control = self.replicas[m].control
+            try:
+                (control.abort if interrupt else control.regroup).broadcast(g)
+            except Exception:  # noqa: BLE001 - a member that cannot be told is about to be found dead
+                pass
+        self.events.emit("quorum", gen=g, members=self.members, reason=reason, interrupt=interrupt,
+                         action=action)
+
+    def _give_up(self, reason: str) -> None:
+        """Stop the run on purpose: the live members write one durable checkpoint, then everything stops."""
+        live = [m for m in self.members if self.replicas[m].state == "member"]
+        checkpoint = None
+        if live:
+            self._announce(live, reason=f"giving up: {reason}", interrupt=True, action="checkpoint")
+            deadline = time.monotonic() + self.config.join_timeout_s
+            while time.monotonic() < deadline and any(self.replicas[m].state == "member" for m in live):
+                try:
+                    kind, rid, payload = self._q.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if kind == "returned":
+                    self.replicas[rid].state = "stopped"
+                elif kind == "died":
+                    self.replicas[rid].state = "dead"
+            saved = [e for e in read_events(self.config.events_path) if e["event"] == "checkpoint"]
+            checkpoint = saved[-1]["path"] if saved else None
+        self.events.emit("give_up", reason=reason, checkpoint=checkpoint)
+        self._stop_everything()
+        where = f"checkpoint written to {checkpoint}" if checkpoint else "no live replica was left to checkpoint"
+        raise ElasticRunAborted(f"monarch-plugin stopped the run: {reason}; {where}", checkpoint)
+
+    # -- liveness --------------------------------------------------------------------------------------------
+
+    def _on_mesh_failure(self, failure) -> None:
+        """Replaces Monarch's default hook, which would exit the controller on any worker death."""
+        match = re.match(r"r(\d+)_(control|replica)", str(getattr(failure, "mesh_name", "")))
+        if match:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
+            self._q.put(("died", int(match.group(1)), "supervision"))
+
+    def _watch_pid(self, rid: int, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            return  # not local or no pidfd support: supervision still reports the death
+        with self._pidfd_lock:
+            self._pidfds[fd] = (rid, pid)
+
+    def _unwatch(self, rid: int) -> None:
+        with self._pidfd_lock:
+            for fd, (r, _) in list(self._pidfds.items()):
+                if r == rid:
+                    os.close(fd)
+                    del self._pidfds[fd]
+
+    def _watch_pidfds(self) -> None:
+        while not self._closing.is_set():
+            with self._pidfd_lock:
+                fds = list(self._pidfds)
+            if not fds:
+                time.sleep(0.01)
+                continue
+            readable, _, _ = select.select(fds, [], [], 0.05)
+            for fd in readable:
+                with self._pidfd_lock:
+                    entry = self._pidfds.pop(fd, None)
+                if entry is not None:
+                    os.close(fd)
+                    self._q.put(("died", entry[0], f"pidfd (pid {entry[1]} exited)"))
+
+    # -- shutdown --------------------------------------------------------------------------------------------
+
+    def _stop_everything(self) -> None:
+        self._closing.set()
+        for replica in self.replicas.values():
+            if replica.state in ("spawning", "waiting", "member") and replica.control is not None:
+                try:
+                    replica.control.shutdown.broadcast()
+                except Exception:  # noqa: BLE001 - it is being torn down either way
+                    pass
+
+    def _shutdown(self) -> None:
+        self._stop_everything()
+        with self._pidfd_lock:
+            for fd in self._pidfds:
+                os.close(fd)
+            self._pidfds.clear()
+        threads = [threading.Thread(target=_stop_mesh, args=(r,), daemon=True) for r in self.replicas.values()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=15)
+        for replica in self.replicas.values():
+            _kill(replica.pids)  # anything a stop left behind; these are our own workers' pids
+
+
+def _stop_mesh(replica: _Replica) -> None:
+    if replica.mesh is None or replica.mesh_stopped:
+        return
+    replica.mesh_stopped = True
+    try:
+        replica.mesh.stop().get(timeout=10)
+    except Exception:  # noqa: BLE001 - a mesh holding a dead proc may refuse; _kill follows
+        pass
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,34 @@
+"""Exceptions the plugin raises to its users.
+
+Every error that reaches a user names the fix; these types let front ends (CLI, Lightning, HF) tell a
+configuration mistake (nothing was spawned) from a run that was stopped on purpose (the controller gave up)
+and from a bug in the training code (re-raised with the worker's traceback).
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "ReplicaCodeError"]
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; raised before any process is spawned."""
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested torch.distributed backend is not built into this torch."""
+
+
+class ElasticRunAborted(RuntimeError):
+    """The controller stopped the run on purpose (too few replicas, crash loop).
+
+    ``checkpoint`` is the path of the durable checkpoint written on the way out, or None when no live
+    replica was left to write one.
+    """
+
+    def __init__(self, message: str, checkpoint: str | None = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+class ReplicaCodeError(RuntimeError):
+    """The training code raised inside a replica: a bug that respawning cannot fix."""

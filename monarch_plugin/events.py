@@ -1,0 +1,53 @@
+"""Structured events: one JSON object per line, plus a log line, for each step of a recovery.
+
+The controller and the workers append to the same file (O_APPEND, one write per line), so the phases of
+a recovery (death -> quorum -> dropped step -> spawn -> heal -> join) can be read back in order and timed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+__all__ = ["EventLog", "read_events"]
+
+logger = logging.getLogger("monarch_plugin")
+
+
+class EventLog:
+    """Append-only JSON-lines sink shared by the controller and the workers of one run."""
+
+    def __init__(self, path: str | None, source: str):
+        self.path = path
+        self.source = source
+        self._lock = threading.Lock()
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def emit(self, kind: str, message: str | None = None, level: int = logging.INFO, **fields: Any) -> dict:
+        record = {"ts": time.time(), "event": kind, "source": self.source, **fields}
+        if message:
+            record["message"] = message
+        line = json.dumps(record, default=str) + "\n"
+        if self.path:
+            with self._lock:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line.encode())
+                finally:
+                    os.close(fd)
+        details = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("traceback",))
+        logger.log(level, "[%s] %s%s", self.source, kind, f": {message}" if message else f" {details}")
+        return record
+
+
+def read_events(path: str) -> list[dict]:
+    """All events of a run in file order (which is time order)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

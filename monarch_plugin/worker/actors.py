@@ -1,0 +1,71 @@
+"""The two Monarch actors each worker process hosts.
+
+`ReplicaActor.run` executes the user's training code and stays busy for the whole run. An actor handles
+one message at a time, so the controller's interrupts go to a second actor, `ControlActor`, whose thread
+stays reachable while training runs and which only flips flags in `context.flags`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+from monarch.actor import Actor, current_rank, endpoint
+
+from monarch_plugin.target import Target
+from monarch_plugin.worker import context
+
+__all__ = ["ReplicaActor", "ControlActor"]
+
+
+class ControlActor(Actor):
+    @endpoint
+    def info(self) -> dict:
+        return {"pid": os.getpid(), "host": socket.gethostname()}
+
+    @endpoint
+    def abort(self, gen: int) -> None:
+        context.flags.abort(gen)
+
+    @endpoint
+    def regroup(self, gen: int) -> None:
+        context.flags.regroup(gen)
+
+    @endpoint
+    def shutdown(self) -> None:
+        context.flags.request_stop()
+
+    @endpoint
+    def status(self) -> dict:
+        f = context.flags
+        return {"phase": f.phase, "since": f.phase_since, "step": f.step, "now": time.time()}
+
+
+class ReplicaActor(Actor):
+    """Runs the target once, in a torch.distributed environment scoped to its own replica group."""
+
+    def __init__(self, env: dict[str, str]):
+        local_rank = current_rank().get("procs", 0) if hasattr(current_rank(), "get") else 0
+        os.environ.update(env)
+        os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
+
+    @endpoint
+    def run(self, target: Target) -> dict:
+        context.reset()
+        t0 = time.time()
+        try:
+            value = target.run()
+        except BaseException as e:  # noqa: BLE001 - reported to the controller, never swallowed
+            from monarch_plugin.worker.session import StopReplica
+
+            if isinstance(e, StopReplica):
+                return {"status": "stopped", "reason": str(e), "seconds": time.time() - t0}
+            return {
+                "status": "error",
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(),
+                "seconds": time.time() - t0,
+            }
+        return {"status": "ok", "value": value, "seconds": time.time() - t0}

@@ -1,0 +1,126 @@
+"""Process-global state of one worker: who it is, where the controller's store is, and the interrupt flags.
+
+Two threads touch it. The training thread reads it at step boundaries and while it waits on a collective;
+the control actor's thread sets `abort_gen` / `regroup_gen` when the controller decides on a new quorum.
+Setting a flag also wakes whatever the training thread is waiting on, which is how a survivor blocked in
+an all-reduce with a dead peer gets out in milliseconds instead of at the gloo timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.events import EventLog
+from monarch_plugin.faults import FaultSpec
+
+__all__ = ["WorkerContext", "current", "flags"]
+
+
+class Flags:
+    """Interrupts from the controller; exists before the training code starts, so none is lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.abort_gen = -1
+        self.regroup_gen = -1
+        self.stop = False
+        self._waiter: threading.Event | None = None
+        self.phase = "starting"
+        self.phase_since = time.time()
+        self.step = -1
+
+    def set_phase(self, phase: str, step: int | None = None) -> None:
+        self.phase, self.phase_since = phase, time.time()
+        if step is not None:
+            self.step = step
+
+    def abort(self, gen: int) -> None:
+        """Generation `gen` replaces the current one: drop the step in flight."""
+        with self._lock:
+            self.abort_gen = max(self.abort_gen, gen)
+            if self._waiter is not None:
+                self._waiter.set()
+
+    def regroup(self, gen: int) -> None:
+        """Generation `gen` (a grow) is waiting: move to it at the next step boundary."""
+        with self._lock:
+            self.regroup_gen = max(self.regroup_gen, gen)
+
+    def request_stop(self) -> None:
+        with self._lock:
+            self.stop = True
+            if self._waiter is not None:
+                self._waiter.set()
+
+    def install_waiter(self, event: threading.Event | None) -> None:
+        with self._lock:
+            self._waiter = event
+
+
+flags = Flags()
+
+
+@dataclass
+class WorkerContext:
+    """Identity of this worker inside the elastic run, built from the environment the actor set."""
+
+    replica_id: int
+    local_rank: int
+    procs_per_replica: int
+    initial: bool
+    config: ElasticConfig
+    store_host: str
+    store_port: int
+
+    def __post_init__(self) -> None:
+        self.events = EventLog(self.config.events_path, source=f"replica{self.replica_id}.{self.local_rank}")
+        self.fault = FaultSpec.parse(self.config.fault) if (self.config.fault and self.initial) else None
+        self.flags = flags
+        self._store: dist.TCPStore | None = None
+
+    @property
+    def store(self) -> dist.TCPStore:
+        # One cached client: fresh TCPStore connections sometimes stall for seconds.
+        if self._store is None:
+            self._store = dist.TCPStore(
+                self.store_host, self.store_port, is_master=False, wait_for_workers=False,
+                timeout=__import__("datetime").timedelta(seconds=self.config.join_timeout_s),
+            )
+        return self._store
+
+    @property
+    def host(self) -> str:
+        return socket.gethostname()
+
+
+_current: WorkerContext | None = None
+
+
+def current() -> WorkerContext | None:
+    """The worker context when running under the elastic controller, None in a plain process."""
+    global _current
+    if _current is None and "MONARCH_PLUGIN_REPLICA_ID" in os.environ:
+        config = ElasticConfig.from_env()
+        _current = WorkerContext(
+            replica_id=int(os.environ["MONARCH_PLUGIN_REPLICA_ID"]),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            procs_per_replica=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            initial=os.environ.get("MONARCH_PLUGIN_INITIAL", "1") == "1",
+            config=config,
+            store_host=os.environ["MONARCH_PLUGIN_STORE_HOST"],
+            store_port=int(os.environ["MONARCH_PLUGIN_STORE_PORT"]),
+        )
+    return _current
+
+
+def reset() -> None:
+    """Forget the context (the actor process may run another target later)."""
+    global _current
+    _current = None

@@ -1,0 +1,249 @@
+"""`ElasticLoop`: the small API a plain PyTorch training loop uses to become elastic.
+
+    loop = ElasticLoop(model, optimizer, dataset_size=len(data), global_batch_size=32, max_steps=100)
+    for step in loop:
+        x, y = data[step.indices]          # this replica's share of the step's global batch
+        loss_fn(model(x), y).backward()
+        step.commit()                      # reduce over live replicas; optimizer.step() only if all did
+
+Under `monarch-run` every replica runs this same loop; a step that a death interrupts is dropped and redone
+by the new group, a newcomer is healed before its first step, and the loop ends on the same step on every
+replica. Under plain `python` it is an ordinary single-process loop.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.sampler import ElasticSampler
+from monarch_plugin.worker import context as _context
+from monarch_plugin.worker.collectives import CollectiveInterrupted
+from monarch_plugin.worker.reducer import GradientReducer
+from monarch_plugin.worker.session import ReplicaSession, StopReplica
+
+__all__ = ["ElasticLoop", "Step"]
+
+
+@dataclass
+class Step:
+    """One attempt at one global step. If it is dropped, the loop yields the same step number again."""
+
+    number: int
+    epoch: int
+    indices: list[int]
+    rank: int
+    num_replicas: int
+    generation: int
+    _loop: "ElasticLoop" = field(repr=False)
+    committed: bool | None = None
+    metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+
+    def commit(self, **metrics: float | torch.Tensor) -> bool:
+        """Reduce gradients over the live replicas and, only if every one succeeded, step the optimizer.
+
+        Keyword metrics (numbers or tensors) are summed across the replicas inside the same transaction,
+        so they count exactly the committed step (available as `step.metrics`). Returns False when the step was dropped; the loop then retries it.
+        """
+        self.committed = self._loop._commit(self, metrics)
+        return self.committed
+
+
+class ElasticLoop:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        dataset_size: int,
+        global_batch_size: int,
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        scheduler=None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        extra_state=None,
+    ):
+        if max_steps is None and max_epochs is None:
+            raise ValueError("give ElasticLoop max_steps or max_epochs so every replica knows when to stop")
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.extra_state = extra_state
+        self.global_batch_size = global_batch_size
+        self.max_steps = max_steps
+        self.max_epochs = max_epochs
+        self.sampler = ElasticSampler(dataset_size, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.step = 0
+        self.ctx = _context.current()
+        self.config = self.ctx.config if self.ctx else ElasticConfig(replicas=1)
+        if self.ctx and self.config.batch_policy == "constant_global" and global_batch_size < self.config.max_replicas:
+            raise ValueError(
+                f"global_batch_size {global_batch_size} is smaller than max_replicas "
+                f"{self.config.max_replicas}: some replicas would get no samples; raise the batch size"
+            )
+        if self.config.scale_lr_with_replicas and scheduler is not None:
+            raise ValueError(
+                "scale_lr_with_replicas rescales the learning rate at each resize and would fight the LR "
+                "scheduler: scale inside your scheduler's lambda with loop.num_replicas instead"
+            )
+        self.session = ReplicaSession(self.ctx, self) if self.ctx else None
+        self.reducer = GradientReducer(list(model.parameters()), self.session.device) if self.session else None
+        self._base_lrs = [g["lr"] for g in optimizer.param_groups]
+
+    # -- what the loop is at ---------------------------------------------------------------------------
+
+    @property
+    def num_replicas(self) -> int:
+        return self.session.world if self.session else 1
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank if self.session else 0
+
+    def done(self) -> bool:
+        if self.max_steps is not None and self.step >= self.max_steps:
+            return True
+        return self.max_epochs is not None and self.sampler.epoch >= self.max_epochs
+
+    def _step_batch_size(self) -> int:
+        if self.config.batch_policy == "constant_local":
+            local = self.global_batch_size // self.config.max_replicas
+            return local * self.num_replicas
+        return self.global_batch_size
+
+    # -- the iteration ---------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Step]:
+        try:
+            yield from self._steps()
+        except StopReplica:
+            if self.ctx:
+                self.ctx.events.emit("stopped", replica=self.ctx.replica_id, step=self.step)
+            raise
+        finally:
+            if self.session:
+                self.session.close()
+
+    def _steps(self) -> Iterator[Step]:
+        session = self.session
+        while True:
+            if session and session.needs_join():
+                session.join(self.step)
+                self._apply_lr_policy()
+                if session.action == "checkpoint":
+                    self._write_checkpoint()
+                    raise StopReplica("the controller gave up; checkpoint written")
+            if self.done():
+                if session is None or session.finish():
+                    break
+                continue
+            if self.ctx and self.ctx.fault and self.ctx.fault.applies(self.ctx.replica_id, self.step):
+                self.ctx.events.emit("fault_injected", replica=self.ctx.replica_id, step=self.step,
+                                     mode=self.ctx.fault.mode, pid=os.getpid())
+                self.ctx.fault.fire()
+            size = self._step_batch_size()
+            step = Step(
+                number=self.step, epoch=self.sampler.epoch,
+                indices=self.sampler.shard(size, self.rank, self.num_replicas),
+                rank=self.rank, num_replicas=self.num_replicas,
+                generation=session.gen if session else 0, _loop=self,
+            )
+            if session:
+                session.flags.set_phase("compute", self.step)
+            yield step
+            if step.committed is None:
+                raise RuntimeError("call step.commit() at the end of every step of an ElasticLoop")
+
+    def _commit(self, step: Step, metrics: dict) -> bool:
+        tensors = {k: torch.as_tensor(v).detach().to(torch.float64).cpu() for k, v in metrics.items()}
+        values = [x for t in tensors.values() for x in t.reshape(-1).tolist()]
+        batch = self._step_batch_size()
+        global_n = len(self.sampler.global_batch(batch))
+        weight = len(step.indices) / global_n if self.config.batch_policy == "constant_global" else 1.0 / self.num_replicas
+        if self.session:
+            try:
+                values = self.session.reduce(self.reducer, weight, values)
+            except CollectiveInterrupted as e:
+                self.optimizer.zero_grad(set_to_none=True)
+                self.ctx.events.emit("dropped_step", replica=self.ctx.replica_id, step=step.number,
+                                     gen=step.generation, reason=type(e).__name__)
+                return False
+        elif weight != 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(weight)
+        offset = 0
+        for name, t in tensors.items():
+            reduced = torch.tensor(values[offset : offset + t.numel()], dtype=torch.float64).reshape(t.shape)
+            step.metrics[name] = reduced.item() if t.dim() == 0 else reduced
+            offset += t.numel()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sampler.advance(batch)
+        self.step += 1
+        return True
+
+    def _apply_lr_policy(self) -> None:
+        if not self.config.scale_lr_with_replicas:
+            return
+        factor = self.num_replicas / self.config.max_replicas
+        for group, base in zip(self.optimizer.param_groups, self._base_lrs):
+            group["lr"] = base * factor
+
+    # -- the state a newcomer heals from -----------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "step": self.step,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        if torch.cuda.is_available():
+            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.extra_state is not None:
+            state["extra"] = self.extra_state.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.extra_state is not None and "extra" in state:
+            self.extra_state.load_state_dict(state["extra"])
+
+    def _write_checkpoint(self) -> None:
+        if self.session.rank != 0:
+            return
+        directory = self.config.checkpoint_dir
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"step{self.step:08d}-local{self.ctx.local_rank}.pt")
+        torch.save(self.state_dict(), path)
+        self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=self.step, path=os.path.abspath(path))
+
+    def resume(self, path: str) -> None:
+        """Load a checkpoint written when a run gave up (before iterating)."""
+        self.load_state_dict(torch.load(path, weights_only=False))
+        if self.session:
+            self.session.fresh = False

@@ -1,0 +1,202 @@
+"""One worker's membership in the run: join a generation, heal, reduce within it, finish together.
+
+A generation is the controller's decision of who trains together: a numbered plan in the store
+(`plan/<g>`, announced by bumping `latest`). The session forms a fresh cross-replica group for each
+generation it joins, catches up from a donor if it is behind, and leaves it when the controller aborts it
+(a death: drop the step in flight) or when every member agrees, inside a committed step, that a grow is
+waiting (so all members move at the same step boundary).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+
+from monarch_plugin.backend import device_for_backend, resolve_backend
+from monarch_plugin.worker.collectives import (
+    CollectiveInterrupted,
+    CollectiveTimedOut,
+    abandon,
+    new_group,
+    wait_all,
+)
+from monarch_plugin.worker.context import WorkerContext
+from monarch_plugin.worker.heal import StateProvider, plan_heal, transfer_state
+
+__all__ = ["ReplicaSession", "StopReplica"]
+
+
+class StopReplica(BaseException):
+    """The controller ended this replica's part in the run (finished without it, gave up, removed it)."""
+
+
+class ReplicaSession:
+    def __init__(self, ctx: WorkerContext, provider: StateProvider):
+        self.ctx = ctx
+        self.flags = ctx.flags
+        self.provider = provider
+        self.backend = resolve_backend(ctx.config.cross_backend)
+        self.device = device_for_backend(self.backend, ctx.local_rank)
+        self.timeout_s = ctx.config.collective_timeout_s
+        self.gen = -1
+        self.rank = 0
+        self.world = 1
+        self.members: list[int] = []
+        self.action = "train"
+        self.pg = None
+        self.fresh = True
+        self._broken = False
+        self._regroup_agreed = False
+
+    # -- generations ---------------------------------------------------------------------------------
+
+    def needs_join(self) -> bool:
+        return self.gen < 0 or self._broken or self._regroup_agreed or self.flags.abort_gen > self.gen
+
+    def join(self, step: int) -> None:
+        """Block until this worker is a member of the newest generation and holds the group's state."""
+        store = self.ctx.store
+        if self.gen < 0:
+            store.add(f"ready/{self.ctx.replica_id}", 1)
+            self.ctx.events.emit("ready", replica=self.ctx.replica_id, pid=os.getpid())
+        self.flags.set_phase("join")
+        while True:
+            plan = self._next_plan()
+            try:
+                self._form(plan)
+                self._catch_up(step)
+                return
+            except CollectiveInterrupted as e:
+                self.ctx.events.emit("join_retry", gen=plan["gen"], reason=str(e))
+                abandon(self.pg)
+                self.pg = None
+
+    def _latest(self) -> int:
+        return int(self.ctx.store.get("latest"))
+
+    def _next_plan(self) -> dict:
+        store = self.ctx.store
+        rid = self.ctx.replica_id
+        deadline = time.monotonic() + self.ctx.config.join_timeout_s
+        seen = self.gen
+        while True:
+            if self.flags.stop:
+                raise StopReplica("the controller stopped this replica")
+            latest = self._latest()
+            if latest > seen:
+                plan = json.loads(store.get(f"plan/{latest}"))
+                if rid in plan["members"]:
+                    return plan
+                if self.gen >= 0:
+                    raise StopReplica(f"generation {latest} does not include replica {rid}")
+                seen = latest
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"replica {rid} waited {self.ctx.config.join_timeout_s:.0f}s for the controller to "
+                    "admit it: raise join_timeout_s if spawning is this slow"
+                )
+            time.sleep(0.005)
+
+    def _form(self, plan: dict) -> None:
+        g, members = plan["gen"], plan["members"]
+        rank, world = members.index(self.ctx.replica_id), len(members)
+        abandon(self.pg)
+        self.pg = None
+        t0 = time.time()
+        self.pg = new_group(
+            self.ctx.store, f"pg/{g}/{self.ctx.local_rank}", rank, world, self.backend, self.timeout_s,
+            superseded=lambda: self.flags.stop or self._latest() > g,
+        )
+        self.gen, self.rank, self.world, self.members = g, rank, world, list(members)
+        self.action = plan.get("action", "train")
+        self._broken = self._regroup_agreed = False
+        self.ctx.events.emit(
+            "join", replica=self.ctx.replica_id, gen=g, rank=rank, world=world, members=members,
+            seconds=round(time.time() - t0, 4),
+        )
+
+    def _superseded(self) -> bool:
+        return self.flags.stop or self._latest() > self.gen
+
+    def _catch_up(self, step: int) -> None:
+        if self.pg is None:
+            self.fresh = False
+            return
+        mine = torch.tensor([step, int(self.fresh)], dtype=torch.int64, device=self.device)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world)]
+        wait_all([self.pg.allgather([everyone], [mine])], self.flags, self.gen, self.timeout_s)
+        steps = [int(t[0]) for t in everyone]
+        fresh = [bool(t[1]) for t in everyone]
+        plan = plan_heal(steps, fresh)
+        if plan is None or self.rank not in (plan.donor, *plan.recipients):
+            self.fresh = False
+            return
+        order = [plan.donor, *plan.recipients]
+        t0 = time.time()
+        sub = new_group(
+            self.ctx.store, f"heal/{self.gen}/{self.ctx.local_rank}", order.index(self.rank), len(order),
+            self.backend, self.timeout_s, superseded=self._superseded,
+        )
+        state, nbytes = transfer_state(
+            sub, order.index(self.rank), self.provider, self.device, self.flags, self.gen, self.timeout_s
+        )
+        if state is not None:
+            self.provider.load_state_dict(state)
+        self.fresh = False
+        if self.rank == plan.donor:
+            self.ctx.events.emit(
+                "heal", gen=self.gen, donor=self.members[plan.donor],
+                recipients=[self.members[r] for r in plan.recipients], step=plan.step, bytes=nbytes,
+                seconds=round(time.time() - t0, 4),
+            )
+
+    # -- steps ---------------------------------------------------------------------------------------
+
+    def reduce(self, reducer, weight: float, metrics: list[float]) -> list[float]:
+        """One step's transaction over the current generation; raises CollectiveInterrupted to drop it."""
+        grow_waiting = 1.0 if self.flags.regroup_gen > self.gen else 0.0
+        if self.pg is None:
+            reducer.scale_local(weight)
+            side = [grow_waiting, *metrics]
+        else:
+            self.flags.set_phase("reduce")
+            try:
+                side = reducer.reduce(self.pg, weight, [grow_waiting, *metrics], self.flags, self.gen, self.timeout_s)
+            except CollectiveInterrupted as e:
+                self._broken = True
+                if isinstance(e, CollectiveTimedOut):
+                    self.ctx.store.add(f"stalled/{self.gen}", 1)
+                raise
+        if side[0] > 0:
+            self._regroup_agreed = True
+        self.flags.set_phase("compute")
+        return side[1:]
+
+    def finish(self) -> bool:
+        """Leave together: True once every member of this generation has reached the end of training.
+
+        False if the generation was aborted first (a peer died at the very end); the caller rejoins, which
+        heals any member that dropped the last step, and finishes again.
+        """
+        if self.world == 1:
+            return True
+        key = f"fin/{self.gen}/{self.ctx.local_rank}"
+        store = self.ctx.store
+        store.add(key, 1)
+        self.flags.set_phase("finish")
+        deadline = time.monotonic() + self.ctx.config.join_timeout_s
+        while store.add(key, 0) < self.world:
+            if self.flags.abort_gen > self.gen or self.flags.stop:
+                self._broken = True
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError("replicas did not all reach the end of training together")
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        abandon(self.pg)
+        self.pg = None
