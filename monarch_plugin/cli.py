@@ -84,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ElasticRunAborted, ReplicaCodeError) as e:
         print(f"monarch-run: {e}", file=sys.stderr)
         return 1
+    from monarch_plugin.events import read_events
+    from monarch_plugin.report import format_recovery, recoveries
+
+    for rec in recoveries(read_events(result.events_path)):
+        print("monarch-run: " + format_recovery(rec).replace("\n", "\nmonarch-run: "))
     print(
         f"monarch-run: finished in {result.seconds:.1f}s: {result.generations} generation(s), "
         f"{result.deaths} death(s), {result.replicas_spawned} replica(s) spawned; events in {result.events_path}"

@@ -63,6 +63,7 @@ class _Replica:
     control: Any = None
     actor: Any = None
     pids: list[int] = field(default_factory=list)
+    pidfds: list[int] = field(default_factory=list)  # held until shutdown so a kill never hits a reused pid
     spawned_at: float = 0.0
     results: list[Any] | None = None
     admitted: bool = False
@@ -86,7 +87,7 @@ class ElasticController:
         self.restarts = 0
         self.early_deaths = 0
         self._q: queue.Queue = queue.Queue()
-        self._pidfds: dict[int, tuple[int, int]] = {}  # fd -> (rid, pid)
+        self._pidfds: dict[int, tuple[int, int]] = {}  # fd -> (rid, pid), for processes still running
         self._pidfd_lock = threading.Lock()
         self._closing = threading.Event()
         self._respawn_at: list[float] = []
@@ -166,7 +167,7 @@ class ElasticController:
             infos = list(replica.control.info.call().get(timeout=self.config.join_timeout_s).values())
             replica.pids = [i["pid"] for i in infos]
             for pid in replica.pids:
-                self._watch_pid(replica.rid, pid)
+                self._watch_pid(replica, pid)
             future = replica.actor.run.call(self.target)
         except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
             self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
@@ -271,6 +272,7 @@ class ElasticController:
         self.events.emit("death", replica=replica.rid, pids=replica.pids, detected_by=how,
                          gen=self.gen, was_member=was_member)
         self._unwatch(replica.rid)
+        _kill(replica)  # the rest of its group would only block its peers now
         threading.Thread(target=_stop_mesh, args=(replica,), daemon=True).start()
         if not replica.initial and not replica.admitted:
             self.early_deaths += 1
@@ -349,7 +351,7 @@ class ElasticController:
             return
         for replica in suspects:
             self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen)
-            _kill(replica.pids)
+            _kill(replica)
             self._on_death(replica, "hang")
 
     # -- generations ---------------------------------------------------------------------------------------
@@ -410,19 +412,19 @@ class ElasticController:
         if match:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
             self._q.put(("died", int(match.group(1)), "supervision"))
 
-    def _watch_pid(self, rid: int, pid: int) -> None:
+    def _watch_pid(self, replica: _Replica, pid: int) -> None:
         try:
             fd = os.pidfd_open(pid)
         except (OSError, AttributeError):
             return  # not local or no pidfd support: supervision still reports the death
+        replica.pidfds.append(fd)
         with self._pidfd_lock:
-            self._pidfds[fd] = (rid, pid)
+            self._pidfds[fd] = (replica.rid, pid)
 
     def _unwatch(self, rid: int) -> None:
         with self._pidfd_lock:
             for fd, (r, _) in list(self._pidfds.items()):
                 if r == rid:
-                    os.close(fd)
                     del self._pidfds[fd]
 
     def _watch_pidfds(self) -> None:
@@ -437,7 +439,6 @@ class ElasticController:
                 with self._pidfd_lock:
                     entry = self._pidfds.pop(fd, None)
                 if entry is not None:
-                    os.close(fd)
                     self._q.put(("died", entry[0], f"pidfd (pid {entry[1]} exited)"))
 
     # -- shutdown --------------------------------------------------------------------------------------------
@@ -454,8 +455,6 @@ class ElasticController:
     def _shutdown(self) -> None:
         self._stop_everything()
         with self._pidfd_lock:
-            for fd in self._pidfds:
-                os.close(fd)
             self._pidfds.clear()
         threads = [threading.Thread(target=_stop_mesh, args=(r,), daemon=True) for r in self.replicas.values()]
         for t in threads:
@@ -463,7 +462,10 @@ class ElasticController:
         for t in threads:
             t.join(timeout=15)
         for replica in self.replicas.values():
-            _kill(replica.pids)  # anything a stop left behind; these are our own workers' pids
+            _kill(replica)  # whatever a stop left behind
+            for fd in replica.pidfds:
+                os.close(fd)
+            replica.pidfds.clear()
 
 
 def _stop_mesh(replica: _Replica) -> None:
@@ -476,11 +478,12 @@ def _stop_mesh(replica: _Replica) -> None:
         pass
 
 
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
+def _kill(replica: _Replica) -> None:
+    """SIGKILL the replica's own processes through their pidfds (immune to pid reuse)."""
+    for fd in replica.pidfds:
         try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except (ProcessLookupError, OSError):
             pass
 
 

@@ -98,6 +98,7 @@ class ElasticLoop:
         self.session = ReplicaSession(self.ctx, self) if self.ctx else None
         self.reducer = GradientReducer(list(model.parameters()), self.session.device) if self.session else None
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self._announced_gen = -1
 
     # -- what the loop is at ---------------------------------------------------------------------------
 
@@ -192,6 +193,10 @@ class ElasticLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.sampler.advance(batch)
         self.step += 1
+        if self.session and self._announced_gen != self.session.gen:
+            self._announced_gen = self.session.gen
+            self.ctx.events.emit("first_commit", replica=self.ctx.replica_id, gen=self.session.gen,
+                                 step=step.number, world=self.session.world)
         return True
 
     def _apply_lr_policy(self) -> None:

@@ -1,0 +1,117 @@
+"""Shared harness: launch `monarch-run` as a real subprocess, and always clean up what it spawned.
+
+Every test that starts processes goes through `ElasticRun`, which records the worker pids the controller
+reports in its events file and, on teardown (pass or fail), SIGKILLs any of them still alive, then the
+controller itself, by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "elastic_loop.py"
+
+
+def alive(pid: int) -> bool:
+    """True if pid runs and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+class ElasticRun:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.events_path = tmp / "events.jsonl"
+        self.out = tmp / "out"
+        self.out.mkdir(parents=True)
+        self.proc: subprocess.Popen | None = None
+        self.output = ""
+
+    def start(self, *args: str, script: Path = RECIPE, script_args: tuple[str, ...] = ()) -> "ElasticRun":
+        cmd = [sys.executable, "-m", "monarch_plugin.cli", "--events", str(self.events_path),
+               "--checkpoint-dir", str(self.tmp / "ckpt"), *args, str(script), *script_args]
+        self.log = open(self.tmp / "run.log", "w")
+        self.proc = subprocess.Popen(cmd, cwd=self.tmp, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def wait(self, timeout: float) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        self.log.close()
+        self.output = (self.tmp / "run.log").read_text()
+        return rc
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        if not self.events_path.exists():
+            return []
+        with open(self.events_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return [e for e in records if kind is None or e["event"] == kind]
+
+    def pids(self) -> dict[int, list[int]]:
+        return {e["replica"]: e["pids"] for e in self.events("spawn")}
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            if self.proc.poll() is not None:
+                raise AssertionError(f"run exited ({self.proc.returncode}) before {what}:\n{self._tail()}")
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}:\n{self._tail()}")
+
+    def progress(self, replica: int) -> int:
+        path = self.out / f"progress-{replica}"
+        try:
+            return int(path.read_text() or -1)
+        except (FileNotFoundError, ValueError):
+            return -1
+
+    def results(self) -> dict[int, dict]:
+        found = {}
+        for path in self.out.glob("result-*.json"):
+            r = json.loads(path.read_text())
+            found[r["replica"]] = r
+        return found
+
+    def _tail(self) -> str:
+        try:
+            return (self.tmp / "run.log").read_text()[-4000:]
+        except FileNotFoundError:
+            return ""
+
+    def cleanup(self) -> None:
+        for pids in self.pids().values():
+            for pid in pids:
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def elastic_run(tmp_path):
+    runs: list[ElasticRun] = []
+
+    def make() -> ElasticRun:
+        run = ElasticRun(tmp_path / f"run{len(runs)}")
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.cleanup()

@@ -1,0 +1,133 @@
+"""Pure helpers tested alone: config validation, backend choice, fault specs, sampler, heal planning.
+
+Plus the CLI's bad-input paths, which must fail before anything is spawned.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from monarch_plugin import ConfigError, ElasticConfig, ElasticSampler, FaultSpec
+from monarch_plugin.backend import resolve_backend
+from monarch_plugin.errors import BackendUnavailableError
+from monarch_plugin.sampler import shard_bounds
+from monarch_plugin.worker.heal import plan_heal
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(replicas=2, min_replicas=3, max_replicas=2), "lower min_replicas or raise max_replicas"),
+        (dict(replicas=0), "replicas must be a positive integer"),
+        (dict(replicas=4, max_replicas=3), "must lie between"),
+        (dict(cross_backend="mpi"), "choose one of auto, gloo, nccl"),
+        (dict(batch_policy="whatever"), "choose one of constant_global, constant_local"),
+        (dict(scale_lr_with_replicas=True), "only applies to batch_policy='constant_local'"),
+        (dict(collective_timeout_s=0), "positive number of seconds"),
+        (dict(fault="explode:step=3"), "unknown fault mode"),
+        (dict(fault="sigkill:replica=1"), "needs a step"),
+    ],
+)
+def test_bad_config_names_the_fix(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ElasticConfig(**kwargs)
+
+
+def test_config_round_trips_through_the_worker_environment(monkeypatch):
+    cfg = ElasticConfig(replicas=3, min_replicas=2, fault="sigkill:replica=1:step=4", env={"A": "1"})
+    monkeypatch.setenv("MONARCH_PLUGIN_CONFIG", cfg.to_env()["MONARCH_PLUGIN_CONFIG"])
+    assert ElasticConfig.from_env() == cfg
+
+
+def test_backend_choice_per_accelerator():
+    assert resolve_backend("auto", accelerator="cpu") == "gloo"
+    assert resolve_backend("gloo", accelerator="cpu") == "gloo"
+    with pytest.raises(BackendUnavailableError, match="needs a CUDA or ROCm GPU"):
+        resolve_backend("nccl", accelerator="cpu")
+    import torch.distributed as dist
+
+    if dist.is_nccl_available():
+        assert resolve_backend("auto", accelerator="rocm") == "nccl"  # RCCL is torch's "nccl" on ROCm
+    else:
+        with pytest.raises(BackendUnavailableError, match="RCCL"):
+            resolve_backend("auto", accelerator="rocm")
+
+
+def test_fault_spec_parsing():
+    spec = FaultSpec.parse("sigkill:replica=1:step=20")
+    assert (spec.mode, spec.replica, spec.step) == ("sigkill", 1, 20)
+    assert spec.applies(1, 20) and not spec.applies(0, 20) and not spec.applies(1, 19)
+    assert FaultSpec.parse("raise:step=3").applies(7, 3)
+
+
+def test_shards_cover_the_batch_exactly():
+    for n in range(0, 40):
+        for world in range(1, 6):
+            bounds = [shard_bounds(n, r, world) for r in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+            sizes = [e - s for s, e in bounds]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_sampler_never_skips_or_repeats_across_resizes():
+    sampler = ElasticSampler(100, shuffle=True, seed=3)
+    seen: list[int] = []
+    worlds = [3, 3, 2, 2, 4, 1, 3, 3, 3, 2, 2]
+    for world in worlds:
+        if sampler.epoch:
+            break
+        for rank in range(world):
+            seen += sampler.shard(16, rank, world)
+        sampler.advance(16)
+    assert sorted(seen) == list(range(100))
+
+
+def test_sampler_state_moves_the_cursor():
+    a = ElasticSampler(50, seed=1)
+    a.advance(8)
+    a.advance(8)
+    b = ElasticSampler(50, seed=1)
+    b.load_state_dict(a.state_dict())
+    assert b.global_batch(8) == a.global_batch(8)
+    with pytest.raises(ValueError, match="same dataset"):
+        ElasticSampler(49).load_state_dict(a.state_dict())
+
+
+def test_heal_plan_picks_a_donor_at_the_newest_step():
+    assert plan_heal([5, 5], [False, False]) is None
+    plan = plan_heal([5, 5, -1], [False, False, True])
+    assert (plan.donor, plan.recipients, plan.step) == (0, (2,), 5)
+    plan = plan_heal([4, 5, 5], [False, False, False])  # a survivor dropped the step its peers committed
+    assert (plan.donor, plan.recipients) == (1, (0,))
+    plan = plan_heal([0, 0, 0], [True, True, True])  # first generation: rank 0 seeds everyone
+    assert (plan.donor, plan.recipients) == (0, (1, 2))
+
+
+def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "monarch_plugin.cli", *args], capture_output=True,
+                          text=True, timeout=60, cwd=cwd)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--replicas", "2", "--min-replicas", "3", "x.py"], "lower min_replicas or raise max_replicas"),
+        (["--replicas", "0", "x.py"], "replicas must be a positive integer"),
+        (["--replicas", "2", "does_not_exist.py"], "training script 'does_not_exist.py' not found"),
+        (["--replicas", "2", "-m", "no_such_module_here"], "module 'no_such_module_here' not found"),
+        (["--replicas", "2", "--fault", "boom:step=1", "x.py"], "unknown fault mode"),
+        (["--backend", "mpi", "x.py"], "invalid choice: 'mpi'"),
+    ],
+)
+def test_cli_rejects_bad_input_before_spawning(tmp_path, args, message):
+    (tmp_path / "x.py").write_text("print('never runs')\n")
+    result = _cli("--events", "ev.jsonl", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / "ev.jsonl").exists()  # nothing was spawned, not even the store

@@ -1,0 +1,60 @@
+"""End to end: a plain PyTorch loop under `monarch-run`, a worker SIGKILLed from outside mid-epoch.
+
+Real Monarch proc meshes, real gloo groups, a real SIGKILL sent by this test to the worker's pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from conftest import alive
+
+pytestmark = pytest.mark.timeout(240)
+
+EPOCHS, SAMPLES, BATCH = 6, 512, 32
+STEPS = EPOCHS * SAMPLES // BATCH
+
+
+def test_sigkill_mid_epoch_shrinks_regrows_and_finishes_identical(elastic_run):
+    run = elastic_run()
+    run.start("--replicas", "3", "--min-replicas", "2", "--join-timeout", "120",
+              script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
+                           "--step-sleep", "0.08", "--out", str(run.out)))
+    run.wait_for(lambda: run.progress(1) >= 8, timeout=120, what="replica 1 to reach step 8")
+    pids = run.pids()
+    victim = pids[1][0]
+    os.kill(victim, signal.SIGKILL)
+
+    assert run.wait(timeout=180) == 0, run.output
+
+    # The survivors were never restarted; exactly one replacement was spawned.
+    results = run.results()
+    assert set(results) == {0, 2, 3}, run.output
+    assert results[0]["pid"] == pids[0][0] and results[2]["pid"] == pids[2][0]
+    assert results[3]["initial"] is False
+    # Every replica holds bitwise-identical weights at the right global step.
+    assert {r["checksum"] for r in results.values()} == {results[0]["checksum"]}
+    assert {r["step"] for r in results.values()} == {STEPS}
+    # Every sample of every epoch took part in exactly one committed step.
+    for survivor in (0, 2):
+        for epoch, counts in enumerate(results[survivor]["seen"]):
+            assert set(counts) == {1.0}, f"replica {survivor} epoch {epoch}: {counts}"
+
+    # The events file shows each phase, in order.
+    death = run.events("death")
+    assert [d["replica"] for d in death] == [1]
+    quorums = run.events("quorum")
+    assert [q["members"] for q in quorums] == [[0, 1, 2], [0, 2], [0, 2, 3]], quorums
+    assert quorums[1]["interrupt"] is True and quorums[2]["interrupt"] is False
+    spawn_of_3 = [s for s in run.events("spawn") if s["replica"] == 3]
+    heal = [h for h in run.events("heal") if 3 in h["recipients"]]
+    joins_of_3 = [j for j in run.events("join") if j["replica"] == 3]
+    assert spawn_of_3 and heal and joins_of_3
+    assert death[0]["ts"] < quorums[1]["ts"] < spawn_of_3[0]["ts"] <= heal[0]["ts"]
+    assert run.events("run_end")
+    # No orphans: every worker process the run spawned is gone.
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)

@@ -1,0 +1,77 @@
+"""Failures the run cannot or should not survive stop cleanly, with a message and a checkpoint.
+
+Real Monarch procs and real deaths; each test bounds its time and the fixture kills leftovers by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import alive
+
+pytestmark = pytest.mark.timeout(240)
+WORKLOADS = Path(__file__).parent / "workloads"
+SLOW = ("--step-sleep", "0.05")
+
+
+def _no_orphans(run) -> None:
+    for pids in run.pids().values():
+        assert not any(alive(p) for p in pids)
+
+
+def test_below_min_replicas_stops_with_checkpoint(elastic_run):
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "2",
+              script_args=("--epochs", "20", *SLOW, "--out", str(run.out)))
+    run.wait_for(lambda: run.progress(1) >= 5, timeout=120, what="training to start")
+    os.kill(run.pids()[1][0], signal.SIGKILL)
+    assert run.wait(timeout=120) == 1
+    assert "below min_replicas=2" in run.output and "--min-replicas" in run.output
+    give_up = run.events("give_up")
+    assert len(give_up) == 1 and give_up[0]["checkpoint"]
+    state = torch.load(give_up[0]["checkpoint"], weights_only=False)
+    assert state["step"] >= 5 and "model" in state and "optimizer" in state and "sampler" in state
+    assert [s["replica"] for s in run.events("spawn")] in ([0, 1], [1, 0])  # nothing respawned
+    _no_orphans(run)
+
+
+def test_bug_in_user_code_stops_without_respawn(elastic_run):
+    run = elastic_run()
+    run.start("--replicas", "2", "--fault", "raise:step=3", script_args=("--out", str(run.out)))
+    assert run.wait(timeout=120) == 1
+    assert "InjectedFault: injected fault raise at step 3" in run.output
+    assert "replica traceback" in run.output
+    assert len(run.events("spawn")) == 2
+    _no_orphans(run)
+
+
+def test_crash_loop_of_replacements_gives_up(elastic_run):
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "1", "--fault", "sigkill:replica=1:step=3",
+              script=WORKLOADS / "dies_when_replaced.py",
+              script_args=("--epochs", "200", *SLOW, "--out", str(run.out)))
+    assert run.wait(timeout=180) == 1
+    assert "crash loop" in run.output
+    spawned = [s["replica"] for s in run.events("spawn")]
+    assert len(spawned) <= 2 + 3  # the initial two, then at most crash_loop_limit replacements
+    assert run.events("give_up")[0]["checkpoint"]
+    _no_orphans(run)
+
+
+def test_hung_replica_is_found_killed_and_replaced(elastic_run):
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "1", "--collective-timeout", "3",
+              "--fault", "hang:replica=1:step=5",
+              script_args=("--epochs", "6", *SLOW, "--out", str(run.out)))
+    assert run.wait(timeout=180) == 0, run.output
+    hang = run.events("hang")
+    assert [h["replica"] for h in hang] == [1]
+    results = run.results()
+    assert set(results) == {0, 2}
+    assert results[0]["checksum"] == results[2]["checksum"]
+    _no_orphans(run)
