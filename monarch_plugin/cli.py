@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="cross-replica backend")
     p.add_argument("--intra-backend", choices=BACKENDS, default="auto", help="backend inside a replica")
     p.add_argument("--batch-policy", choices=BATCH_POLICIES, default="constant_global")
+    p.add_argument("--spares", type=int, default=0, help="warm spare replicas kept ready to replace a dead one")
     p.add_argument("--max-restarts", type=int, default=10)
     p.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a stalled step is investigated")
     p.add_argument("--join-timeout", type=float, default=300.0, help="seconds a new replica may take to start")
@@ -54,6 +55,7 @@ def config_from_args(ns: argparse.Namespace) -> ElasticConfig:
         cross_backend=ns.backend,
         intra_backend=ns.intra_backend,
         batch_policy=ns.batch_policy,
+        spares=ns.spares,
         max_restarts=ns.max_restarts,
         collective_timeout_s=ns.collective_timeout,
         join_timeout_s=ns.join_timeout,

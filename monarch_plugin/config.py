@@ -50,6 +50,10 @@ class ElasticConfig:
     """Only with "constant_local": scale the optimizer's learning rates by live/max replicas (linear
     scaling rule) while the group is smaller than ``max_replicas``."""
 
+    spares: int = 0
+    """Warm spare replica groups kept spawned (processes up, torch imported, training code not started),
+    so a replacement skips process start-up. Each holds its memory but no CPU until it is promoted."""
+
     max_restarts: int = 10
     """Replacements spawned over the whole run before the controller gives up (torchrun's --max-restarts)."""
 
@@ -123,7 +127,7 @@ class ElasticConfig:
                 "scale_lr_with_replicas only applies to batch_policy='constant_local' (with "
                 "'constant_global' the global batch, and so the right learning rate, never changes)"
             )
-        for name in ("max_restarts", "crash_loop_limit"):
+        for name in ("max_restarts", "crash_loop_limit", "spares"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
         for name in ("restart_backoff_s",):

@@ -68,6 +68,8 @@ class _Replica:
     results: list[Any] | None = None
     admitted: bool = False
     mesh_stopped: bool = False
+    spare: bool = False  # a warm spare: procs up, torch imported, waiting for `promote`
+    promote: threading.Event = field(default_factory=threading.Event)
 
 
 class ElasticController:
@@ -117,6 +119,8 @@ class ElasticController:
             watcher.start()
             for _ in range(self.config.replicas):
                 self._spawn(initial=True)
+            for _ in range(self.config.spares):
+                self._spawn(initial=False, spare=True)
             self._wait_for_initial()
             self._supervise()
             return RunResult(
@@ -133,11 +137,11 @@ class ElasticController:
 
     # -- spawning ------------------------------------------------------------------------------------------
 
-    def _spawn(self, initial: bool) -> None:
+    def _spawn(self, initial: bool, spare: bool = False) -> None:
         rid = len(self.replicas)
-        replica = _Replica(rid=rid, initial=initial, spawned_at=time.time())
+        replica = _Replica(rid=rid, initial=initial, spawned_at=time.time(), spare=spare)
         self.replicas[rid] = replica
-        if not initial:
+        if not initial and not spare:
             self.restarts += 1
         threading.Thread(target=self._spawn_worker, args=(replica,), daemon=True, name=f"spawn-{rid}").start()
 
@@ -168,12 +172,19 @@ class ElasticController:
             replica.pids = [i["pid"] for i in infos]
             for pid in replica.pids:
                 self._watch_pid(replica, pid)
+            if replica.spare:
+                self.events.emit("spare_up", replica=replica.rid, pids=replica.pids,
+                                 seconds=round(time.time() - replica.spawned_at, 3))
+                while not replica.promote.wait(0.1):
+                    if self._closing.is_set():
+                        return
+                replica.spawned_at = time.time()
             future = replica.actor.run.call(self.target)
         except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
             self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
             return
         self.events.emit("spawn", replica=replica.rid, pids=replica.pids, initial=replica.initial,
-                         seconds=round(time.time() - replica.spawned_at, 3))
+                         warm=replica.promote.is_set(), seconds=round(time.time() - replica.spawned_at, 3))
         self._q.put(("spawned", replica.rid, None))
         try:
             results = list(future.get().values())
@@ -274,6 +285,10 @@ class ElasticController:
         self._unwatch(replica.rid)
         _kill(replica)  # the rest of its group would only block its peers now
         threading.Thread(target=_stop_mesh, args=(replica,), daemon=True).start()
+        if replica.spare:  # never trained: just refill the pool
+            if not self._closing.is_set() and self.restarts < self.config.max_restarts:
+                self._spawn(initial=False, spare=True)
+            return
         if not replica.initial and not replica.admitted:
             self.early_deaths += 1
         if self._closing.is_set():
@@ -297,7 +312,8 @@ class ElasticController:
         self._schedule_respawn()
 
     def _schedule_respawn(self) -> None:
-        alive = [r for r in self.replicas.values() if r.state in ("spawning", "waiting", "member")]
+        alive = [r for r in self.replicas.values()
+                 if r.state in ("spawning", "waiting", "member") and not r.spare]
         if len(alive) + len(self._respawn_at) >= self.config.replicas:
             return
         if self.restarts + len(self._respawn_at) >= self.config.max_restarts:
@@ -313,7 +329,15 @@ class ElasticController:
         due = [t for t in self._respawn_at if t <= now]
         for t in due:
             self._respawn_at.remove(t)
-            self._spawn(initial=False)
+            spare = next((r for r in self.replicas.values()
+                          if r.spare and r.state == "spawning" and r.pids), None)
+            if spare is None:
+                self._spawn(initial=False)
+                continue
+            spare.spare = False
+            self.restarts += 1
+            spare.promote.set()
+            self._spawn(initial=False, spare=True)  # keep the pool full
 
     def _ready_waiting(self, limit: int) -> list[int]:
         return [r.rid for r in self.replicas.values() if r.state == "waiting"][: max(limit, 0)]

@@ -58,3 +58,45 @@ def test_sigkill_mid_epoch_shrinks_regrows_and_finishes_identical(elastic_run):
     # No orphans: every worker process the run spawned is gone.
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
+
+
+def test_multi_proc_replica_is_replaced_whole(elastic_run):
+    """Kill one proc of a 2-proc replica: its sibling is killed too and the whole replica is replaced."""
+    from pathlib import Path
+
+    run = elastic_run()
+    run.start("--replicas", "2", "--procs-per-replica", "2", "--min-replicas", "1", "--join-timeout", "120",
+              script=Path(__file__).parent / "workloads" / "two_procs_per_replica.py",
+              script_args=(str(run.out), "120"))
+    run.wait_for(lambda: run.progress(1) >= 5, timeout=120, what="replica 1 to train")
+    pids = run.pids()
+    assert len(pids[1]) == 2
+    os.kill(pids[1][1], signal.SIGKILL)  # local rank 1 only
+    assert run.wait(timeout=180) == 0, run.output
+
+    import json
+
+    results = [json.loads(p.read_text()) for p in run.out.glob("result-*.json")]
+    assert sorted((r["replica"], r["local_rank"]) for r in results) == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert {r["checksum"] for r in results} == {results[0]["checksum"]}
+    assert {r["step"] for r in results} == {120}
+    assert [d["replica"] for d in run.events("death")] == [1]
+    assert not any(alive(pid) for pid in pids[1])
+
+
+def test_warm_spare_replaces_a_dead_replica(elastic_run):
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "1", "--spares", "1", "--join-timeout", "120",
+              script_args=("--epochs", "8", "--samples", "256", "--batch", "16", "--step-sleep", "0.05",
+                           "--out", str(run.out)))
+    run.wait_for(lambda: run.progress(0) >= 5 and any(e["replica"] == 2 for e in run.events("spare_up")),
+                 timeout=120, what="training with a spare up")
+    os.kill(run.pids()[0][0], signal.SIGKILL)
+    assert run.wait(timeout=180) == 0, run.output
+    promoted = [s for s in run.events("spawn") if s["replica"] == 2]
+    assert promoted and promoted[0]["warm"] is True
+    results = run.results()
+    assert set(results) == {1, 2}
+    assert results[1]["checksum"] == results[2]["checksum"] and results[2]["step"] == 8 * 256 // 16
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)

@@ -47,7 +47,7 @@ class ReplicaActor(Actor):
     """Runs the target once, in a torch.distributed environment scoped to its own replica group."""
 
     def __init__(self, env: dict[str, str]):
-        local_rank = current_rank().get("procs", 0) if hasattr(current_rank(), "get") else 0
+        local_rank = current_rank().rank  # position in this replica's ProcMesh
         os.environ.update(env)
         os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.sampler import ElasticSampler
+from monarch_plugin.sampler import ElasticSampler, shard_bounds
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.collectives import CollectiveInterrupted
 from monarch_plugin.worker.reducer import GradientReducer
@@ -152,9 +152,11 @@ class ElasticLoop:
                                      mode=self.ctx.fault.mode, pid=os.getpid())
                 self.ctx.fault.fire()
             size = self._step_batch_size()
+            lanes = self.ctx.procs_per_replica if self.ctx else 1
+            lane = self.ctx.local_rank if self.ctx else 0
             step = Step(
                 number=self.step, epoch=self.sampler.epoch,
-                indices=self.sampler.shard(size, self.rank, self.num_replicas),
+                indices=self.sampler.shard(size, self.rank * lanes + lane, self.num_replicas * lanes),
                 rank=self.rank, num_replicas=self.num_replicas,
                 generation=session.gen if session else 0, _loop=self,
             )
@@ -169,7 +171,14 @@ class ElasticLoop:
         values = [x for t in tensors.values() for x in t.reshape(-1).tolist()]
         batch = self._step_batch_size()
         global_n = len(self.sampler.global_batch(batch))
-        weight = len(step.indices) / global_n if self.config.batch_policy == "constant_global" else 1.0 / self.num_replicas
+        if self.config.batch_policy == "constant_global":
+            # The replica's share (all its procs): inside a replica, FSDP/DDP already average over procs.
+            lanes = self.ctx.procs_per_replica if self.ctx else 1
+            start = shard_bounds(global_n, self.rank * lanes, self.num_replicas * lanes)[0]
+            end = shard_bounds(global_n, self.rank * lanes + lanes - 1, self.num_replicas * lanes)[1]
+            weight = (end - start) / global_n
+        else:
+            weight = 1.0 / self.num_replicas
         if self.session:
             try:
                 values = self.session.reduce(self.reducer, weight, values)

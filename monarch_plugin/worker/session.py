@@ -47,6 +47,7 @@ class ReplicaSession:
         self.members: list[int] = []
         self.action = "train"
         self.pg = None
+        self.intra = None  # this replica's own procs; they die together, so it is formed once
         self.fresh = True
         self._broken = False
         self._regroup_agreed = False
@@ -60,6 +61,11 @@ class ReplicaSession:
         """Block until this worker is a member of the newest generation and holds the group's state."""
         store = self.ctx.store
         if self.gen < 0:
+            if self.ctx.procs_per_replica > 1 and self.intra is None:
+                self.intra = new_group(
+                    store, f"intra/{self.ctx.replica_id}", self.ctx.local_rank, self.ctx.procs_per_replica,
+                    "gloo", self.ctx.config.join_timeout_s, superseded=lambda: self.flags.stop,
+                )
             store.add(f"ready/{self.ctx.replica_id}", 1)
             self.ctx.events.emit("ready", replica=self.ctx.replica_id, pid=os.getpid())
         self.flags.set_phase("join")
@@ -158,6 +164,7 @@ class ReplicaSession:
     def reduce(self, reducer, weight: float, metrics: list[float]) -> list[float]:
         """One step's transaction over the current generation; raises CollectiveInterrupted to drop it."""
         grow_waiting = 1.0 if self.flags.regroup_gen > self.gen else 0.0
+        failure: CollectiveInterrupted | None = None
         if self.pg is None:
             reducer.scale_local(weight)
             side = [grow_waiting, *metrics]
@@ -166,14 +173,25 @@ class ReplicaSession:
             try:
                 side = reducer.reduce(self.pg, weight, [grow_waiting, *metrics], self.flags, self.gen, self.timeout_s)
             except CollectiveInterrupted as e:
-                self._broken = True
+                failure, side = e, [0.0, *metrics]
                 if isinstance(e, CollectiveTimedOut):
                     self.ctx.store.add(f"stalled/{self.gen}", 1)
-                raise
-        if side[0] > 0:
-            self._regroup_agreed = True
+        failed, grow = self._agree_in_replica(failure is not None, side[0] > 0)
+        if failed:
+            self._broken = True
+            raise failure or CollectiveInterrupted("another proc of this replica dropped the step")
+        self._regroup_agreed = grow
         self.flags.set_phase("compute")
         return side[1:]
+
+    def _agree_in_replica(self, failed: bool, grow: bool) -> tuple[bool, bool]:
+        """The procs of one replica (its FSDP shards) must commit or drop a step together, and move to a
+        new generation together; their cross-replica groups can disagree when a peer dies mid-step."""
+        if self.intra is None:
+            return failed, grow
+        vote = torch.tensor([float(failed), float(grow)])
+        wait_all([self.intra.allreduce([vote])], self.flags, self.gen, self.timeout_s)
+        return bool(vote[0] > 0), bool(vote[1] > 0)
 
     def finish(self) -> bool:
         """Leave together: True once every member of this generation has reached the end of training.
@@ -200,3 +218,4 @@ class ReplicaSession:
     def close(self) -> None:
         abandon(self.pg)
         self.pg = None
+        self.intra = None

@@ -1,0 +1,161 @@
+"""Recovery and overhead, side by side in one invocation (so the ratios share one machine state).
+
+For each model size, on N replicas of one process each:
+  ddp      torchrun + torch DDP (gloo), no failure                     -> steady step time baseline
+  elastic  monarch-run + ElasticLoop; replica 1 SIGKILLed by this script -> steady step time, and the
+           recovery phases read from the run's own events file (monarch_plugin.report)
+  restart  torchrun --max-restarts 1 + DDP checkpointing every K steps; same SIGKILL -> time from the
+           kill to the next step, and the steps redone
+
+    python benchmarks/recovery.py --sizes 10m 100m --replicas 4 --out benchmarks/results
+
+Writes <out>/recovery.json and prints a markdown table (pasted into docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from monarch_plugin.events import EventLog, read_events
+from monarch_plugin.report import recoveries
+
+HERE = Path(__file__).resolve().parent
+WORKLOAD = HERE / "workload.py"
+BIN = Path(sys.executable).parent
+
+
+def _steps(path: Path) -> list[tuple[int, float]]:
+    if not path.exists():
+        return []
+    return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
+
+
+def _median_interval(points: list[tuple[int, float]], skip: int = 3) -> float:
+    ts = [t for _, t in points][skip:]
+    return statistics.median(b - a for a, b in zip(ts, ts[1:]))
+
+
+def _wait_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_steps(path)) < n:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"run ended or timed out before {path} had {n} steps")
+        time.sleep(0.02)
+
+
+def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
+    out = work / f"ddp-{size}"
+    out.mkdir(parents=True)
+    subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", str(replicas), str(WORKLOAD), "--mode", "ddp",
+                    "--size", size, "--steps", str(steps), "--out", str(out)], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
+    return {"step_s": _median_interval(_steps(out / "steps-0-0.txt"))}
+
+
+def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int) -> dict:
+    out = work / f"elastic-{size}"
+    out.mkdir(parents=True)
+    events_path = out / "events.jsonl"
+    proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", "2",
+                             "--events", str(events_path), str(WORKLOAD), "--mode", "elastic", "--size", size,
+                             "--steps", str(steps), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
+    try:
+        _wait_lines(out / "steps-1.txt", kill_at, proc, timeout=1800)
+        victim = next(e for e in read_events(str(events_path)) if e["event"] == "spawn" and e["replica"] == 1)
+        os.kill(victim["pids"][0], signal.SIGKILL)
+        EventLog(str(events_path), source="benchmark").emit("kill", replica=1, pid=victim["pids"][0])
+        if proc.wait(timeout=1800) != 0:
+            raise RuntimeError(f"elastic run failed; see {out}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    before = [(s, t) for s, t in _steps(out / "steps-0.txt") if s < kill_at]
+    rec = recoveries(read_events(str(events_path)))[0]
+    return {"step_s": _median_interval(before), **{k: v for k, v in rec.phases().items()},
+            "detected_by": rec.detected_by, "dropped_steps": rec.dropped_steps,
+            "heal_mb": (rec.heal_bytes or 0) / 1e6, "replacement_joined_at_step": rec.participating_step}
+
+
+def run_restart(work: Path, size: str, replicas: int, steps: int, kill_at: int, every: int) -> dict:
+    out = work / f"restart-{size}"
+    out.mkdir(parents=True)
+    proc = subprocess.Popen([str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(replicas),
+                             "--max-restarts", "1",
+                             str(WORKLOAD), "--mode", "ddp", "--size", size, "--steps", str(steps),
+                             "--ckpt-every", str(every), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_lines(out / "steps-1-0.txt", kill_at, proc, timeout=1800)
+        os.kill(int((out / "pid-1-0").read_text()), signal.SIGKILL)
+        killed_at = time.time()
+        killed_step = len(_steps(out / "steps-1-0.txt"))
+        if proc.wait(timeout=1800) != 0:
+            raise RuntimeError(f"restart run failed; see {out}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    after = _steps(out / "steps-0-1.txt")
+    return {"kill_to_next_commit": after[0][1] - killed_at, "steps_redone": killed_step - after[0][0]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--sizes", nargs="+", default=["10m", "100m"])
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--work", default="/tmp/monarch_plugin_bench")
+    args = p.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    plan = {"10m": dict(steps=80, kill_at=15, every=10), "100m": dict(steps=40, kill_at=8, every=5)}
+    results = {}
+    for size in args.sizes:
+        cfg = plan[size]
+        results[size] = {
+            "ddp": run_ddp(work, size, args.replicas, cfg["steps"] // 2),
+            "elastic": run_elastic(work, size, args.replicas, cfg["steps"], cfg["kill_at"]),
+            "restart": run_restart(work, size, args.replicas, cfg["steps"] // 2, cfg["kill_at"], cfg["every"]),
+        }
+        print(json.dumps({size: results[size]}), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "recovery.json").write_text(json.dumps(results, indent=2))
+    print(table(results, args.replicas))
+
+
+def table(results: dict, replicas: int) -> str:
+    def ms(x):
+        return "n/a" if x is None else f"{x * 1000:.0f} ms"
+
+    rows = [f"| metric ({replicas} replicas) | " + " | ".join(results) + " |",
+            "|---|" + "---|" * len(results)]
+
+    def row(name, fn):
+        rows.append(f"| {name} | " + " | ".join(fn(r) for r in results.values()) + " |")
+
+    row("kill -> detected (elastic)", lambda r: ms(r["elastic"]["kill_to_detected"]))
+    row("kill -> next committed step, survivors (elastic)", lambda r: ms(r["elastic"]["kill_to_next_commit"]))
+    row("kill -> next step (checkpoint-restart)", lambda r: ms(r["restart"]["kill_to_next_commit"]))
+    row("steps redone (elastic / checkpoint-restart)",
+        lambda r: f"{len(r['elastic']['dropped_steps'])} / {r['restart']['steps_redone']}")
+    row("spawn (replacement procs up)", lambda r: ms(r["elastic"]["spawn"]))
+    row("spawn -> healed", lambda r: ms(r["elastic"]["spawn_to_healed"]))
+    row("spawn -> participating", lambda r: ms(r["elastic"]["spawn_to_participating"]))
+    row("heal transfer", lambda r: f"{ms(r['elastic']['heal'])} ({r['elastic']['heal_mb']:.0f} MB)")
+    row("steady step: torchrun DDP", lambda r: ms(r["ddp"]["step_s"]))
+    row("steady step: monarch elastic", lambda r: ms(r["elastic"]["step_s"]))
+    row("overhead vs DDP", lambda r: f"{(r['elastic']['step_s'] / r['ddp']['step_s'] - 1) * 100:+.1f}%")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
