@@ -13,6 +13,7 @@ replica. Under plain `python` it is an ordinary single-process loop.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from dataclasses import dataclass, field
@@ -43,6 +44,12 @@ class Step:
     _loop: "ElasticLoop" = field(repr=False)
     committed: bool | None = None
     metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
+    weight: float = field(default=1.0, repr=False)
+
+    def no_sync(self):
+        """Context for every backward but the last of a step (gradient accumulation), as DDP's no_sync."""
+        reducer = self._loop.reducer
+        return reducer.no_sync() if reducer is not None else contextlib.nullcontext()
 
     def commit(self, **metrics: float | torch.Tensor) -> bool:
         """Reduce gradients over the live replicas and, only if every one succeeded, step the optimizer.
@@ -69,6 +76,7 @@ class ElasticLoop:
         seed: int = 0,
         drop_last: bool = False,
         extra_state=None,
+        overlap: bool = True,
     ):
         if max_steps is None and max_epochs is None:
             raise ValueError("give ElasticLoop max_steps or max_epochs so every replica knows when to stop")
@@ -96,7 +104,9 @@ class ElasticLoop:
                 "scheduler: scale inside your scheduler's lambda with loop.num_replicas instead"
             )
         self.session = ReplicaSession(self.ctx, self) if self.ctx else None
-        self.reducer = GradientReducer(list(model.parameters()), self.session.device) if self.session else None
+        self.reducer = (
+            GradientReducer(list(model.parameters()), self.session.device, overlap=overlap) if self.session else None
+        )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
         self._announced_gen = -1
 
@@ -160,8 +170,10 @@ class ElasticLoop:
                 rank=self.rank, num_replicas=self.num_replicas,
                 generation=session.gen if session else 0, _loop=self,
             )
+            step.weight = self._weight(step)
             if session:
                 session.flags.set_phase("compute", self.step)
+                session.begin_step(self.reducer, step.weight)
             yield step
             if step.committed is None:
                 raise RuntimeError("call step.commit() at the end of every step of an ElasticLoop")
@@ -170,15 +182,7 @@ class ElasticLoop:
         tensors = {k: torch.as_tensor(v).detach().to(torch.float64).cpu() for k, v in metrics.items()}
         values = [x for t in tensors.values() for x in t.reshape(-1).tolist()]
         batch = self._step_batch_size()
-        global_n = len(self.sampler.global_batch(batch))
-        if self.config.batch_policy == "constant_global":
-            # The replica's share (all its procs): inside a replica, FSDP/DDP already average over procs.
-            lanes = self.ctx.procs_per_replica if self.ctx else 1
-            start = shard_bounds(global_n, self.rank * lanes, self.num_replicas * lanes)[0]
-            end = shard_bounds(global_n, self.rank * lanes + lanes - 1, self.num_replicas * lanes)[1]
-            weight = (end - start) / global_n
-        else:
-            weight = 1.0 / self.num_replicas
+        weight = step.weight
         if self.session:
             try:
                 values = self.session.reduce(self.reducer, weight, values)
@@ -207,6 +211,17 @@ class ElasticLoop:
             self.ctx.events.emit("first_commit", replica=self.ctx.replica_id, gen=self.session.gen,
                                  step=step.number, world=self.session.world)
         return True
+
+    def _weight(self, step: Step) -> float:
+        """This replica's factor in the sum over replicas, so that the sum is the global-batch mean."""
+        if self.config.batch_policy != "constant_global":
+            return 1.0 / self.num_replicas
+        global_n = len(self.sampler.global_batch(self._step_batch_size()))
+        # The replica's share (all its procs): inside a replica, FSDP/DDP already average over procs.
+        lanes = self.ctx.procs_per_replica if self.ctx else 1
+        start = shard_bounds(global_n, self.rank * lanes, self.num_replicas * lanes)[0]
+        end = shard_bounds(global_n, self.rank * lanes + lanes - 1, self.num_replicas * lanes)[1]
+        return (end - start) / global_n
 
     def _apply_lr_policy(self) -> None:
         if not self.config.scale_lr_with_replicas:
