@@ -23,6 +23,7 @@ class Target:
     entry: Any
     args: list[str] = field(default_factory=list)
     kwargs: dict = field(default_factory=dict)
+    cwd: str = field(default_factory=os.getcwd)  # `-m` resolves modules from here, as `python -m` does
 
     @classmethod
     def script(cls, path: str, args: list[str] | None = None) -> "Target":
@@ -34,6 +35,8 @@ class Target:
     def module(cls, name: str, args: list[str] | None = None) -> "Target":
         import importlib.util
 
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
         try:
             found = importlib.util.find_spec(name)
         except (ImportError, ValueError):
@@ -71,6 +74,8 @@ class Target:
                 runpy.run_path(self.entry, run_name="__main__")
             else:
                 sys.argv = [self.entry, *self.args]
+                if self.cwd not in sys.path:
+                    sys.path.insert(0, self.cwd)
                 runpy.run_module(self.entry, run_name="__main__", alter_sys=True)
         except SystemExit as e:
             if e.code not in (None, 0):

@@ -39,11 +39,13 @@ class ElasticRun:
         self.proc: subprocess.Popen | None = None
         self.output = ""
 
-    def start(self, *args: str, script: Path = RECIPE, script_args: tuple[str, ...] = ()) -> "ElasticRun":
+    def start(self, *args: str, script: Path | str = RECIPE, script_args: tuple[str, ...] = (),
+              cwd: Path | None = None) -> "ElasticRun":
         cmd = [sys.executable, "-m", "monarch_plugin.cli", "--events", str(self.events_path),
                "--checkpoint-dir", str(self.tmp / "ckpt"), *args, str(script), *script_args]
         self.log = open(self.tmp / "run.log", "w")
-        self.proc = subprocess.Popen(cmd, cwd=self.tmp, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(cmd, cwd=cwd or self.tmp, stdout=self.log, stderr=subprocess.STDOUT,
+                                     text=True)
         return self
 
     def wait(self, timeout: float) -> int:

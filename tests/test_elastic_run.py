@@ -100,3 +100,17 @@ def test_warm_spare_replaces_a_dead_replica(elastic_run):
     assert results[1]["checksum"] == results[2]["checksum"] and results[2]["step"] == 8 * 256 // 16
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
+
+
+def test_module_target_without_failures(elastic_run):
+    """`monarch-run -m pkg.module`, resolved from the working directory as `python -m` does."""
+    from conftest import REPO
+
+    run = elastic_run()
+    run.start("--replicas", "2", "-m", script="recipes.elastic_loop", cwd=REPO,
+              script_args=("--epochs", "1", "--step-sleep", "0", "--out", str(run.out)))
+    assert run.wait(timeout=120) == 0, run.output
+    results = run.results()
+    assert set(results) == {0, 1} and results[0]["checksum"] == results[1]["checksum"]
+    assert all(set(counts) == {1.0} for r in results.values() for counts in r["seen"])
+    assert not run.events("death") and len(run.events("quorum")) == 1
