@@ -4,6 +4,7 @@ For each model size, on N replicas of one process each:
   ddp      torchrun + torch DDP (gloo), no failure                     -> steady step time baseline
   elastic  monarch-run + ElasticLoop; replica 1 SIGKILLed by this script -> steady step time, and the
            recovery phases read from the run's own events file (monarch_plugin.report)
+  warm     the same with --spares 1: the replacement is a pre-spawned process
   restart  torchrun --max-restarts 1 + DDP checkpointing every K steps; same SIGKILL -> time from the
            kill to the next step, and the steps redone
 
@@ -61,11 +62,12 @@ def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
     return {"step_s": _median_interval(_steps(out / "steps-0-0.txt"))}
 
 
-def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int) -> dict:
-    out = work / f"elastic-{size}"
+def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, spares: int = 0) -> dict:
+    out = work / f"elastic-{size}-spares{spares}"
     out.mkdir(parents=True)
     events_path = out / "events.jsonl"
     proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", "2",
+                             "--spares", str(spares),
                              "--events", str(events_path), str(WORKLOAD), "--mode", "elastic", "--size", size,
                              "--steps", str(steps), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
@@ -81,7 +83,10 @@ def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int) 
             proc.kill()
     before = [(s, t) for s, t in _steps(out / "steps-0.txt") if s < kill_at]
     rec = recoveries(read_events(str(events_path)))[0]
+    survivor = [(s, t - rec.killed_at) for s, t in _steps(out / "steps-0.txt")]
+    newcomer = [(s, t - rec.killed_at) for s, t in _steps(out / f"steps-{rec.replacement}.txt")]
     return {"step_s": _median_interval(before), **{k: v for k, v in rec.phases().items()},
+            "series": {"survivor": survivor, "replacement": newcomer},
             "detected_by": rec.detected_by, "dropped_steps": rec.dropped_steps,
             "heal_mb": (rec.heal_bytes or 0) / 1e6, "replacement_joined_at_step": rec.participating_step}
 
@@ -105,7 +110,9 @@ def run_restart(work: Path, size: str, replicas: int, steps: int, kill_at: int, 
         if proc.poll() is None:
             proc.kill()
     after = _steps(out / "steps-0-1.txt")
-    return {"kill_to_next_commit": after[0][1] - killed_at, "steps_redone": killed_step - after[0][0]}
+    series = [(s, t - killed_at) for s, t in _steps(out / "steps-0-0.txt") + after]
+    return {"kill_to_next_commit": after[0][1] - killed_at, "steps_redone": killed_step - after[0][0],
+            "series": {"rank0": series}}
 
 
 def main() -> None:
@@ -124,6 +131,7 @@ def main() -> None:
         results[size] = {
             "ddp": run_ddp(work, size, args.replicas, cfg["steps"] // 2),
             "elastic": run_elastic(work, size, args.replicas, cfg["steps"], cfg["kill_at"]),
+            "warm": run_elastic(work, size, args.replicas, cfg["steps"], cfg["kill_at"], spares=1),
             "restart": run_restart(work, size, args.replicas, cfg["steps"] // 2, cfg["kill_at"], cfg["every"]),
         }
         print(json.dumps({size: results[size]}), flush=True)
@@ -150,6 +158,8 @@ def table(results: dict, replicas: int) -> str:
     row("spawn (replacement procs up)", lambda r: ms(r["elastic"]["spawn"]))
     row("spawn -> healed", lambda r: ms(r["elastic"]["spawn_to_healed"]))
     row("spawn -> participating", lambda r: ms(r["elastic"]["spawn_to_participating"]))
+    row("with a warm spare: promote -> healed", lambda r: ms(r["warm"]["spawn_to_healed"]))
+    row("with a warm spare: promote -> participating", lambda r: ms(r["warm"]["spawn_to_participating"]))
     row("heal transfer", lambda r: f"{ms(r['elastic']['heal'])} ({r['elastic']['heal_mb']:.0f} MB)")
     row("steady step: torchrun DDP", lambda r: ms(r["ddp"]["step_s"]))
     row("steady step: monarch elastic", lambda r: ms(r["elastic"]["step_s"]))

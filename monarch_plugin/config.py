@@ -75,8 +75,8 @@ class ElasticConfig:
     """Address the controller's rendezvous store listens on; workers connect to it."""
 
     events_path: str | None = None
-    """JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up).
-    None: ``$MONARCH_PLUGIN_EVENTS`` or ``./monarch_events.jsonl``."""
+    """JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up),
+    emptied when a run starts. None: ``$MONARCH_PLUGIN_EVENTS`` or ``./monarch_events.jsonl``."""
 
     checkpoint_dir: str = "monarch_checkpoints"
     """Where the durable checkpoint is written when the run gives up (one writer)."""

@@ -111,6 +111,8 @@ class ElasticController:
                 timeout=datetime.timedelta(seconds=self.config.join_timeout_s),
             )
             self.store.set("latest", "-1")
+            if self.config.events_path:  # one file per run, so reports never mix runs
+                open(self.config.events_path, "w").close()
             self.events.emit(
                 "run_start", target=self.target.describe(), replicas=self.config.replicas,
                 min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,

@@ -38,9 +38,11 @@ def test_overlapped_reduction_weights_and_writes_back(pg):
     model.zero_grad(set_to_none=True)
 
     reducer = GradientReducer(list(model.parameters()), torch.device("cpu"))
-    reducer.arm(pg, 0.25)
-    model(x).sum().backward()  # hooks launch the buckets during backward
-    side = reducer.reduce([1.0, 2.5], Flags(), gen=0, timeout_s=10)
+    reducer.arm(pg, 0.25, Flags(), 0, 10)
+    model(x).sum().backward()  # hooks launch the buckets; the end of backward writes them back
+    for got, want in zip(_grads(model), expected):  # already reduced when backward returns, as DDP
+        torch.testing.assert_close(got, want)
+    side = reducer.reduce([1.0, 2.5])
     assert side == [1.0, 2.5]
     for got, want in zip(_grads(model), expected):
         torch.testing.assert_close(got, want)
@@ -49,12 +51,12 @@ def test_overlapped_reduction_weights_and_writes_back(pg):
 def test_second_backward_without_no_sync_is_refused_with_the_fix(pg):
     model = _model()
     reducer = GradientReducer(list(model.parameters()), torch.device("cpu"))
-    reducer.arm(pg, 1.0)
+    reducer.arm(pg, 1.0, Flags(), 0, 10)
     x = torch.randn(3, 4)
     model(x).sum().backward()
     model(x).sum().backward()
     with pytest.raises(RuntimeError, match="no_sync"):
-        reducer.reduce([0.0], Flags(), gen=0, timeout_s=10)
+        reducer.reduce([0.0])
 
 
 def test_gradient_accumulation_with_no_sync(pg):
@@ -66,10 +68,23 @@ def test_gradient_accumulation_with_no_sync(pg):
     model.zero_grad(set_to_none=True)
 
     reducer = GradientReducer(list(model.parameters()), torch.device("cpu"))
-    reducer.arm(pg, 1.0)
+    reducer.arm(pg, 1.0, Flags(), 0, 10)
     with reducer.no_sync():
         model(a).sum().backward()
     model(b).sum().backward()
-    reducer.reduce([0.0], Flags(), gen=0, timeout_s=10)
+    reducer.reduce([0.0])
     for got, want in zip(_grads(model), expected):
+        torch.testing.assert_close(got, want)
+
+
+def test_edits_after_backward_survive_the_commit(pg):
+    """Clipping after backward acts on reduced gradients and is not overwritten at commit (DDP semantics)."""
+    model = _model()
+    reducer = GradientReducer(list(model.parameters()), torch.device("cpu"))
+    reducer.arm(pg, 1.0, Flags(), 0, 10)
+    model(torch.randn(5, 4)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    clipped = _grads(model)
+    reducer.reduce([0.0])
+    for got, want in zip(_grads(model), clipped):
         torch.testing.assert_close(got, want)

@@ -92,27 +92,36 @@ def new_group(
 ) -> dist.ProcessGroup | None:
     """A fresh group over `world` ranks named by `prefix`, with an abortable arrival barrier first.
 
-    The barrier makes group construction (which cannot be interrupted) start only once every member is
-    known to be alive and waiting, so a death during formation cannot wedge the survivors.
-    Returns None for a group of one: nothing to reduce with.
+    Group construction cannot be interrupted, so it starts only once every member is known to be alive
+    and waiting. Whether the barrier completed or was abandoned (a newer generation, a timeout) is
+    decided once, by compare-and-set on `<prefix>/decision`, so no member can start constructing while
+    another walks away. Returns None for a group of one: nothing to reduce with.
     """
     store.add(f"{prefix}/arrived", 1)
     deadline = time.monotonic() + timeout_s
-    while store.add(f"{prefix}/arrived", 0) < world:
-        if superseded():
-            raise GenerationChanged(f"{prefix}: a newer generation was announced during formation")
-        if time.monotonic() > deadline:
-            raise CollectiveTimedOut(f"{prefix}: members did not all arrive within {timeout_s:.0f}s")
-        time.sleep(0.002)
+    while True:
+        if store.add(f"{prefix}/arrived", 0) >= world:
+            decision = store.compare_set(f"{prefix}/decision", "", "go")
+        elif superseded() or time.monotonic() > deadline:
+            decision = store.compare_set(f"{prefix}/decision", "", "abandon")
+        else:
+            time.sleep(0.002)
+            continue
+        if decision == b"go":
+            break
+        raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation, or a member missing)")
     if world == 1:
         return None
     timeout = datetime.timedelta(seconds=timeout_s)
     sub = dist.PrefixStore(prefix, store)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(sub, rank, world, opts)
-    return dist.ProcessGroupGloo(sub, rank, world, timeout)
+    try:
+        if backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(sub, rank, world, opts)
+        return dist.ProcessGroupGloo(sub, rank, world, timeout)
+    except Exception as e:  # noqa: BLE001 - a member died mid-construction: a runtime event, not a bug
+        raise CollectiveFailed(f"{prefix}: group construction failed: {e}") from e
 
 
 def abandon(pg) -> None:

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from monarch_plugin.worker.collectives import wait_all
+from monarch_plugin.worker.collectives import CollectiveInterrupted, wait_all
 from monarch_plugin.worker.context import Flags
 
 __all__ = ["GradientReducer"]
@@ -25,6 +25,15 @@ BUCKET_BYTES = 25 * 1024 * 1024  # torch DDP's default bucket_cap_mb
 
 
 class GradientReducer:
+    """Reduces a step's gradients over the live replicas, with DDP's semantics.
+
+    With overlap (the default), as with DDP, when `backward()` returns the gradients are already the
+    global-batch mean: buckets reduce while backward runs and an autograd final callback waits for the
+    last of them. So clipping or any edit after backward acts on reduced gradients, as users of DDP
+    expect. A failure during that wait never escapes from `backward()`: it is kept and raised at commit.
+    Without overlap, everything is reduced at commit, after whatever the caller did to its local grads.
+    """
+
     def __init__(self, params: list[torch.nn.Parameter], device: torch.device, overlap: bool = True):
         self.params = [p for p in params if p.requires_grad]
         self.device = device
@@ -42,25 +51,27 @@ class GradientReducer:
             self.buckets.append(current)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self._pg = None
-        self._weight = 1.0
-        self._pending: list[int] = [0] * len(self.buckets)
-        self._flats: dict[int, torch.Tensor] = {}
-        self._works: dict[int, object] = {}
-        self._seen: set[int] = set()
-        self._misuse = False
         self._synced = True
+        self._reset(None, 1.0, None, -1, 0.0)
         if overlap:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
-    # -- overlap ---------------------------------------------------------------------------------------
-
-    def arm(self, pg, weight: float) -> None:
-        """Start a step: later backward passes launch their buckets' reductions on `pg` as they finish."""
+    def _reset(self, pg, weight: float, flags: Flags | None, gen: int, timeout_s: float) -> None:
         self._pg, self._weight = pg, weight
+        self._flags, self._gen, self._timeout_s = flags, gen, timeout_s
         self._pending = [len(b) for b in self.buckets]
-        self._flats, self._works, self._seen = {}, {}, set()
+        self._flats: dict[int, torch.Tensor] = {}
+        self._works: dict[int, object] = {}
+        self._seen: set[int] = set()
         self._misuse = False
+        self._callback_queued = False
+        self._reduced = False
+        self._failure: CollectiveInterrupted | None = None
+
+    def arm(self, pg, weight: float, flags: Flags, gen: int, timeout_s: float) -> None:
+        """Start a step: its backward reduces on `pg` as it goes."""
+        self._reset(pg, weight, flags, gen, timeout_s)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -71,17 +82,30 @@ class GradientReducer:
         finally:
             self._synced = True
 
+    # -- during backward -------------------------------------------------------------------------------
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._pg is None or not self._synced:
             return
-        if id(p) in self._seen:
+        if self._reduced or id(p) in self._seen:
             self._misuse = True
             return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         self._seen.add(id(p))
         i = self._bucket_of[id(p)]
         self._pending[i] -= 1
         if self._pending[i] == 0:
             self._launch(i)
+
+    def _finish_backward(self) -> None:
+        if self._misuse or self._pg is None:
+            return
+        try:
+            self._complete()
+        except CollectiveInterrupted as e:
+            self._failure = e
 
     def _launch(self, i: int) -> None:
         parts = [
@@ -93,24 +117,12 @@ class GradientReducer:
         self._flats[i] = flat
         self._works[i] = self._pg.allreduce([flat])
 
-    # -- commit ----------------------------------------------------------------------------------------
-
-    def reduce(self, side: list[float], flags: Flags, gen: int, timeout_s: float) -> list[float]:
-        """Finish the step's reductions (launching buckets backward did not) and write the grads back."""
-        if self._misuse:
-            self._pg = None
-            raise RuntimeError(
-                "backward() ran more than once in this step, so some gradients were reduced before they "
-                "were complete: wrap every backward but the last in `with step.no_sync():` (gradient "
-                "accumulation), or build the ElasticLoop with overlap=False"
-            )
+    def _complete(self) -> None:
+        """Launch what backward did not, wait for every bucket, write the reduced grads back."""
         for i in range(len(self.buckets)):
             if i not in self._works:
                 self._launch(i)
-        side_t = torch.tensor(side, dtype=torch.float64, device=self.device)
-        works = [self._works[i] for i in range(len(self.buckets))] + [self._pg.allreduce([side_t])]
-        self._pg = None  # whatever happens next, no more launches for this step
-        wait_all(works, flags, gen, timeout_s)
+        wait_all([self._works[i] for i in range(len(self.buckets))], self._flags, self._gen, self._timeout_s)
         for i, bucket in enumerate(self.buckets):
             flat, offset = self._flats[i], 0
             for p in bucket:
@@ -121,6 +133,29 @@ class GradientReducer:
                 else:
                     p.grad.copy_(chunk)
                 offset += n
+        self._reduced = True
+
+    # -- commit ----------------------------------------------------------------------------------------
+
+    def reduce(self, side: list[float]) -> list[float]:
+        """Finish the step's transaction: the gradients (if backward did not) and the side tensor."""
+        pg, self._pg = self._pg, None  # whatever happens next, no more launches for this step
+        if self._misuse:
+            raise RuntimeError(
+                "backward() ran more than once in this step, so gradients were reduced before they were "
+                "complete: wrap every backward but the last in `with step.no_sync():` (gradient "
+                "accumulation), or build the ElasticLoop with overlap=False"
+            )
+        if self._failure is not None:
+            raise self._failure
+        if not self._reduced:
+            self._pg = pg
+            try:
+                self._complete()
+            finally:
+                self._pg = None
+        side_t = torch.tensor(side, dtype=torch.float64, device=self.device)
+        wait_all([pg.allreduce([side_t])], self._flags, self._gen, self._timeout_s)
         return side_t.cpu().tolist()
 
     def scale_local(self, weight: float) -> None:

@@ -164,7 +164,7 @@ class ReplicaSession:
     def begin_step(self, reducer, weight: float) -> None:
         """Arm the reducer so this step's backward starts reducing on the current generation's group."""
         if self.pg is not None:
-            reducer.arm(self.pg, weight)
+            reducer.arm(self.pg, weight, self.flags, self.gen, self.timeout_s)
 
     def reduce(self, reducer, weight: float, metrics: list[float]) -> list[float]:
         """One step's transaction over the current generation; raises CollectiveInterrupted to drop it."""
@@ -176,7 +176,7 @@ class ReplicaSession:
         else:
             self.flags.set_phase("reduce")
             try:
-                side = reducer.reduce([grow_waiting, *metrics], self.flags, self.gen, self.timeout_s)
+                side = reducer.reduce([grow_waiting, *metrics])
             except CollectiveInterrupted as e:
                 failure, side = e, [0.0, *metrics]
                 if isinstance(e, CollectiveTimedOut):
