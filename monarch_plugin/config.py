@@ -61,8 +61,9 @@ class ElasticConfig:
     """Consecutive replacements that die before committing a step; then the run stops instead of
     respawning forever (a bug that kills every new replica)."""
 
-    restart_backoff_s: float = 0.0
-    """Delay before the first respawn; doubles for each consecutive early death (capped at 30 s)."""
+    restart_backoff_s: float = 1.0
+    """A replacement that dies before joining delays the next one by this much, doubling with each
+    further early death (capped at 30 s). The first replacement after a death is never delayed."""
 
     join_timeout_s: float = 300.0
     """How long a new replica may take from spawn to being ready to join (imports, model build)."""

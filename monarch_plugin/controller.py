@@ -321,10 +321,11 @@ class ElasticController:
         if self.restarts + len(self._respawn_at) >= self.config.max_restarts:
             self.events.emit("no_respawn", reason=f"max_restarts={self.config.max_restarts} used")
             return
-        delay = 0.0
-        if self.config.restart_backoff_s > 0:
-            delay = min(self.config.restart_backoff_s * 2 ** self.early_deaths, _MAX_BACKOFF_S)
+        delay = 0.0  # the first replacement goes at once; only replacements that keep dying back off
+        if self.early_deaths and self.config.restart_backoff_s > 0:
+            delay = min(self.config.restart_backoff_s * 2 ** (self.early_deaths - 1), _MAX_BACKOFF_S)
         self._respawn_at.append(time.monotonic() + delay)
+        self.events.emit("respawn_scheduled", delay=delay, restarts=self.restarts, early_deaths=self.early_deaths)
 
     def _respawn_due(self) -> None:
         now = time.monotonic()

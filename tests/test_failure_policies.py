@@ -59,6 +59,8 @@ def test_crash_loop_of_replacements_gives_up(elastic_run):
     assert "crash loop" in run.output
     spawned = [s["replica"] for s in run.events("spawn")]
     assert len(spawned) <= 2 + 3  # the initial two, then at most crash_loop_limit replacements
+    delays = [e["delay"] for e in run.events("respawn_scheduled")]
+    assert delays == [0.0, 1.0, 2.0][: len(delays)] and len(delays) >= 2  # backoff only on early deaths
     assert run.events("give_up")[0]["checkpoint"]
     _no_orphans(run)
 
