@@ -85,6 +85,8 @@ class ElasticController:
         self.replicas: dict[int, _Replica] = {}
         self.gen = -1
         self.members: list[int] = []
+        self.plans: dict[int, list[int]] = {}
+        self.finished_gen: int | None = None  # set by the first replica that returns from training
         self.deaths = 0
         self.restarts = 0
         self.early_deaths = 0
@@ -223,10 +225,29 @@ class ElasticController:
             self._respawn_due()
             self._admit_ready()
             self._check_stalled()
-            live = [m for m in self.members if self.replicas[m].state == "member"]
-            if self.members and not live and all(self.replicas[m].state == "finished" for m in self.members):
-                self.events.emit("run_end", gen=self.gen, members=self.members)
+            if self._training_over():
+                self.events.emit("run_end", gen=self.finished_gen, members=self._finishers())
                 return
+
+    def _finishers(self) -> list[int]:
+        """Who must return before the run is over: the members of the generation that finished."""
+        if self.finished_gen is not None and self.finished_gen >= 0:
+            return self.plans[self.finished_gen]
+        return self.members  # a target that never joined a generation: everyone it ran on
+
+    def _training_over(self) -> bool:
+        if self.finished_gen is None:
+            return False
+        if not all(self.replicas[m].state in ("finished", "dead") for m in self._finishers()):
+            return False
+        # A replacement admitted after the finishing generation closed has nothing left to do.
+        for replica in self.replicas.values():
+            if replica.state in ("spawning", "waiting", "member") and replica.control is not None:
+                try:
+                    replica.control.shutdown.broadcast()
+                except Exception:  # noqa: BLE001 - it is torn down with the rest
+                    pass
+        return True
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -271,7 +292,9 @@ class ElasticController:
         if all(r.get("status") == "ok" for r in results):
             replica.state = "finished"
             replica.results = [r.get("value") for r in results]
-            self.events.emit("finished", replica=replica.rid)
+            if self.finished_gen is None:
+                self.finished_gen = results[0].get("gen", -1)
+            self.events.emit("finished", replica=replica.rid, gen=results[0].get("gen", -1))
         elif replica.state not in ("dead",):
             replica.state = "stopped"
 
@@ -346,7 +369,7 @@ class ElasticController:
         return [r.rid for r in self.replicas.values() if r.state == "waiting"][: max(limit, 0)]
 
     def _admit_ready(self) -> None:
-        if not self.members:
+        if not self.members or self.finished_gen is not None:
             return
         current = [m for m in self.members if self.replicas[m].state == "member"]
         if len(current) != len(self.members):
@@ -390,6 +413,7 @@ class ElasticController:
         g = self.gen
         previous = [m for m in self.members if self.replicas[m].state == "member"]
         self.members = list(members)
+        self.plans[g] = self.members
         plan = {"gen": g, "members": self.members, "action": action, "reason": reason}
         self.store.set(f"plan/{g}", json.dumps(plan))
         self.store.set("latest", str(g))

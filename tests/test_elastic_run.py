@@ -114,3 +114,22 @@ def test_module_target_without_failures(elastic_run):
     assert set(results) == {0, 1} and results[0]["checksum"] == results[1]["checksum"]
     assert all(set(counts) == {1.0} for r in results.values() for counts in r["seen"])
     assert not run.events("death") and len(run.events("quorum")) == 1
+
+
+def test_replacement_ready_after_the_end_is_stopped_not_stranded(elastic_run):
+    """A replacement admitted while the others sit in the finish barrier must not hang the run."""
+    from pathlib import Path
+
+    run = elastic_run()
+    run.start("--replicas", "3", "--min-replicas", "1", "--join-timeout", "60", "--collective-timeout", "30",
+              script=Path(__file__).parent / "workloads" / "slow_last_step.py",
+              script_args=(str(run.out), "40", "8"))
+    run.wait_for(lambda: run.progress(1) >= 38, timeout=120, what="replica 1 near the end")
+    os.kill(run.pids()[1][0], signal.SIGKILL)
+    assert run.wait(timeout=60) == 0, run.output
+    results = run.results()
+    assert {0, 2} <= set(results) and {r["step"] for r in results.values()} == {40}
+    assert results[0]["weights"] == results[2]["weights"]
+    assert run.events("run_end")
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)

@@ -68,4 +68,4 @@ class ReplicaActor(Actor):
                 "traceback": traceback.format_exc(),
                 "seconds": time.time() - t0,
             }
-        return {"status": "ok", "value": value, "seconds": time.time() - t0}
+        return {"status": "ok", "value": value, "gen": context.flags.finished_gen, "seconds": time.time() - t0}

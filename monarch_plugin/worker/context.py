@@ -32,6 +32,7 @@ class Flags:
         self.regroup_gen = -1
         self.stop = False
         self._waiter: threading.Event | None = None
+        self.finished_gen = -1  # the generation whose members all reached the end together
         self.phase = "starting"
         self.phase_since = time.time()
         self.step = -1

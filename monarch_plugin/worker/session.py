@@ -205,6 +205,7 @@ class ReplicaSession:
         heals any member that dropped the last step, and finishes again.
         """
         if self.world == 1:
+            self.flags.finished_gen = self.gen
             return True
         key = f"fin/{self.gen}/{self.ctx.local_rank}"
         store = self.ctx.store
@@ -218,6 +219,7 @@ class ReplicaSession:
             if time.monotonic() > deadline:
                 raise TimeoutError("replicas did not all reach the end of training together")
             time.sleep(0.005)
+        self.flags.finished_gen = self.gen
         return True
 
     def close(self) -> None:
