@@ -1,0 +1,122 @@
+"""`_MonarchLauncher`: `trainer.fit` in the user's process becomes the run's single controller.
+
+Modelled on Lightning's ddp_spawn launcher (`_MultiProcessingLauncher`): the trainer and the fit arguments are
+pickled to every replica, each replica runs `Trainer._fit_impl`, and what Lightning's main process needs
+afterwards (trained weights, `trainer.state`, `callback_metrics`, the loop progress behind
+`trainer.global_step`) comes back and is restored here. Unlike ddp_spawn, replicas are Monarch proc meshes
+under `ElasticController`, so one dying costs the others a step, not the run. No launcher command is needed:
+`python train.py` works.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Callable
+
+import cloudpickle
+import torch
+from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from monarch_plugin.controller import ElasticController
+from monarch_plugin.errors import ConfigError
+from monarch_plugin.events import read_events
+from monarch_plugin.report import format_recovery, recoveries
+from monarch_plugin.target import Target
+from monarch_plugin.worker import context as _context
+
+
+class _MonarchLauncher(_Launcher):
+    def __init__(self, strategy) -> None:
+        self._strategy = strategy
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            raise MisconfigurationException(
+                "MonarchStrategy runs Trainer.fit; validate, test and predict the returned model with a "
+                "Trainer(strategy='auto')"
+            )
+        model = args[0] if args else kwargs.get("model")
+        try:
+            cloudpickle.dumps(model)
+        except Exception as e:  # noqa: BLE001 - any pickling failure has the same fix
+            raise MisconfigurationException(
+                f"{type(model).__name__} cannot be pickled to send it to the Monarch replicas "
+                f"({type(e).__name__}: {e}): keep open files, locks, sockets and the like out of __init__ and "
+                "create them in setup() or on first use"
+            ) from e
+        for logger in trainer.loggers:
+            logger.version  # fixed here, so every replica (and a later rank 0) logs into the same version
+        config = self._strategy.elastic_config()
+        try:
+            target = Target.function(_FitInReplica(trainer, function.__name__, args, kwargs))
+        except ConfigError as e:
+            raise MisconfigurationException(str(e)) from e
+        result = ElasticController(config, target).run()
+        for recovery in recoveries(read_events(result.events_path)):
+            rank_zero_info(format_recovery(recovery))
+        rank_zero_info(
+            f"monarch: finished in {result.seconds:.1f}s: {result.generations} generation(s), {result.deaths} "
+            f"death(s), {result.replicas_spawned} replica(s) spawned; events in {result.events_path}"
+        )
+        outputs = sorted((v[0] for v in result.values.values() if v and v[0]), key=lambda o: o["rank"])
+        self._strategy.replica_checksums = {o["replica"]: o["checksum"] for o in outputs}
+        if len(set(self._strategy.replica_checksums.values())) != 1:
+            raise RuntimeError(
+                f"replicas finished with different weights {self._strategy.replica_checksums}: a bug in "
+                f"monarch-plugin; please report it with the events file {result.events_path}"
+            )
+        self._recover_results_in_main_process(outputs[0], trainer)
+        return outputs[0]["results"]
+
+    def _recover_results_in_main_process(self, output: dict, trainer) -> None:
+        trainer.lightning_module.load_state_dict(output["weights"])
+        trainer.state = output["trainer_state"]
+        trainer.fit_loop.load_state_dict(output["fit_loop"])
+        trainer.fit_loop.restarting = False
+        trainer.callback_metrics.update(torch.load(io.BytesIO(output["callback_metrics"]), weights_only=True))
+        if trainer.checkpoint_callback is not None and hasattr(trainer.checkpoint_callback, "best_model_path"):
+            trainer.checkpoint_callback.best_model_path = output["best_model_path"] or ""
+
+    def kill(self, signum) -> None:
+        """The controller owns the replicas' lifetime; interrupting `fit` stops it, and it stops them."""
+
+
+class _FitInReplica:
+    """What each replica runs: fit, leave together, and send back what the controller restores."""
+
+    def __init__(self, trainer, method: str, args: tuple, kwargs: dict):
+        self.trainer, self.method, self.args, self.kwargs = trainer, method, args, kwargs
+
+    def __repr__(self) -> str:
+        model = self.args[0] if self.args else self.kwargs.get("model")
+        return f"Trainer.{self.method.lstrip('_')}({type(model).__name__})"
+
+    def __call__(self) -> dict:
+        trainer = self.trainer
+        results = getattr(trainer, self.method)(*self.args, **self.kwargs)
+        strategy = trainer.strategy
+        strategy.finish()
+        rank = strategy._session.rank
+        buffer = io.BytesIO()
+        torch.save(move_data_to_device(dict(trainer.callback_metrics), "cpu"), buffer)
+        weights = trainer.lightning_module.state_dict()
+        return {
+            "replica": _context.current().replica_id,
+            "rank": rank,
+            "checksum": strategy.checksum(),
+            "global_step": trainer.global_step,
+            "weights": move_data_to_device(weights, "cpu") if rank == 0 else None,
+            "trainer_state": trainer.state,
+            "fit_loop": trainer.fit_loop.state_dict(),
+            "callback_metrics": buffer.getvalue(),
+            "best_model_path": getattr(trainer.checkpoint_callback, "best_model_path", None),
+            "results": results,
+        }

@@ -1,0 +1,492 @@
+"""`MonarchStrategy`: Lightning's training step as the runtime's step transaction.
+
+One class lives on both sides. In the user's process (the controller) it validates the configuration when the
+Trainer is built and hands `fit` to `_MonarchLauncher`, which runs it in every replica. Inside a replica it is a
+data-parallel strategy whose torch.distributed default group holds only that replica's own procs, so Lightning's
+own collectives (`self.log(sync_dist=True)`, barriers, the SIGTERM broadcast) never cross replicas. Everything
+that crosses replicas goes through the runtime's `ReplicaSession`:
+
+* `optimizer_step` runs Lightning's closure (training_step + backward) on this replica's share of the global
+  batch, reduces the weighted gradients over the live replicas, and steps the optimizer only if the reduction
+  committed. A step that a death interrupts is dropped and redone inside the same call, by the new generation,
+  on the same global batch, so `trainer.global_step` counts committed steps exactly.
+* The training dataloader draws from the runtime's `ElasticSampler` (one global cursor, moved only on commit).
+* A newcomer joins before the fit loop starts and heals from a live peer: model, optimizer, LR schedulers,
+  sampler cursor, RNG and the fit loop's progress, which Lightning then resumes mid-epoch as from a checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import deque
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.errors import ConfigError
+from monarch_plugin.sampler import ElasticSampler, shard_bounds
+from monarch_plugin.worker import context as _context
+from monarch_plugin.worker.collectives import CollectiveInterrupted
+from monarch_plugin.worker.reducer import GradientReducer
+from monarch_plugin.worker.session import ReplicaSession, StopReplica
+
+__all__ = ["MonarchStrategy"]
+
+
+class MonarchStrategy(ParallelStrategy):
+    """Elastic data parallel: `Trainer(devices=N)` replicas, each one Monarch proc mesh; survives SIGKILLed workers.
+
+    Args:
+        min_replicas: fewest live replicas that may keep training; below it the run stops with a checkpoint.
+        max_replicas: most replicas live at once (default: ``devices``).
+        backend: cross-replica backend, "auto" (gloo on CPU) or "gloo".
+        join_timeout_s: how long a (re)spawned replica may take to become ready.
+        collective_timeout_s: a reduction slower than this is treated as a hang and its culprit replaced.
+        fault: opt-in fault injection, e.g. ``"sigkill:replica=1:step=20"`` (see ``monarch_plugin.faults``).
+        events_path: JSON-lines file of spawns, deaths, generations, dropped steps and heals.
+        checkpoint_dir: where one Lightning checkpoint is written if the run gives up.
+        max_restarts: replacements spawned over the whole run.
+        spares: warm spare replicas kept spawned, so a replacement skips process start-up.
+    """
+
+    strategy_name = "monarch"
+
+    def __init__(
+        self,
+        min_replicas: int = 1,
+        max_replicas: Optional[int] = None,
+        backend: str = "auto",
+        join_timeout_s: float = 300.0,
+        collective_timeout_s: float = 60.0,
+        fault: Optional[str] = None,
+        events_path: Optional[str] = None,
+        checkpoint_dir: str = "monarch_checkpoints",
+        max_restarts: int = 10,
+        spares: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.min_replicas = min_replicas
+        self.max_replicas = max_replicas
+        self.backend = backend
+        self.join_timeout_s = join_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self.fault = fault
+        self.events_path = events_path
+        self.checkpoint_dir = checkpoint_dir
+        self.max_restarts = max_restarts
+        self.spares = spares
+        self.num_nodes = 1
+        self.replica_checksums: dict[int, str] = {}
+        """After `fit`, in the controller: each finishing replica's weight checksum (all equal by construction)."""
+        self._session: Optional[ReplicaSession] = None
+        self._reducer: Optional[GradientReducer] = None
+        self._sampler: Optional[ElasticSampler] = None
+        self._pending_sampler_state: Optional[dict] = None
+        self._batches: Optional[_ElasticBatchSampler] = None
+        self._global_batch = 0
+        self._step = 0
+        self._fit_loop_started = False
+        self._announced_gen = -1
+
+    # -- controller side ---------------------------------------------------------------------------------
+
+    @property
+    def replicas(self) -> int:
+        """Replicas spawned at start: Lightning's ``devices`` (one proc per replica)."""
+        return len(self.parallel_devices or []) * self.num_nodes
+
+    def elastic_config(self) -> ElasticConfig:
+        """The runtime configuration these knobs mean; raises naming the Lightning argument to change."""
+        if self.replicas < self.min_replicas:
+            raise MisconfigurationException(
+                f"Trainer(devices={self.replicas}) starts {self.replicas} replica(s), fewer than "
+                f"MonarchStrategy(min_replicas={self.min_replicas}): raise `devices` or lower `min_replicas`"
+            )
+        try:
+            return ElasticConfig(
+                replicas=self.replicas, min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                intra_backend=self.backend, cross_backend=self.backend, join_timeout_s=self.join_timeout_s,
+                collective_timeout_s=self.collective_timeout_s, fault=self.fault, events_path=self.events_path,
+                checkpoint_dir=self.checkpoint_dir, max_restarts=self.max_restarts, spares=self.spares,
+            )
+        except ConfigError as e:
+            raise MisconfigurationException(f"MonarchStrategy: {e}") from e
+
+    def _configure_launcher(self) -> None:
+        if not isinstance(self.accelerator, CPUAccelerator):
+            raise MisconfigurationException(
+                f"MonarchStrategy runs replicas on CPU in this version, got accelerator "
+                f"{type(self.accelerator).__name__}: pass Trainer(accelerator='cpu', devices=N, strategy='monarch')"
+            )
+        if self.num_nodes != 1:
+            raise MisconfigurationException(
+                "MonarchStrategy spawns its replicas from this process on this host: drop Trainer(num_nodes=...)"
+            )
+        self.elastic_config()
+        from monarch_plugin.integrations.lightning.launcher import _MonarchLauncher
+
+        self._launcher = _MonarchLauncher(self)
+
+    def set_world_ranks(self) -> None:
+        """Lightning's world is one replica's procs: the controller and a one-proc replica are rank 0 of 1."""
+        if self.cluster_environment is None:
+            return
+        self.cluster_environment.set_global_rank(int(os.environ.get("RANK", 0)) if self._session else 0)
+        self.cluster_environment.set_world_size(int(os.environ.get("WORLD_SIZE", 1)) if self._session else 1)
+        self._update_rank_zero()
+
+    # -- the replica's own (intra-replica) world -------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Rank 0 of the current generation: the one replica that logs and writes checkpoints."""
+        return self.global_rank == 0 and self._elastic_rank() == 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}
+
+    def _elastic_rank(self) -> int:
+        if self._session is None:
+            return 0
+        if self._session.gen >= 0:
+            return self._session.rank
+        ctx = self._session.ctx
+        return 0 if (ctx.initial and ctx.replica_id == 0) else 1 + ctx.replica_id
+
+    def _update_rank_zero(self) -> None:
+        rank_zero_only.rank = utils_rank_zero_only.rank = 0 if self.is_global_zero else max(self._elastic_rank(), 1)
+
+    def setup_environment(self) -> None:
+        ctx = _context.current()
+        if ctx is None:
+            raise RuntimeError(
+                "MonarchStrategy trains inside Monarch replicas started by Trainer.fit in the controller; "
+                "call trainer.fit(...) from your script instead of invoking the strategy directly"
+            )
+        self._session = ReplicaSession(ctx, _HealState(self))
+        self.cluster_environment = LightningEnvironment()  # this replica's MASTER_PORT, not the controller's
+        self.parallel_devices = [torch.device("cpu")] * ctx.procs_per_replica
+        self.set_world_ranks()
+        super().setup_environment()
+        _init_dist_connection(self.cluster_environment, "gloo")
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING or self._session is None:
+            return
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise MisconfigurationException(
+                "MonarchStrategy redoes a step that a death interrupted, which needs Lightning's automatic "
+                "optimization: remove `self.automatic_optimization = False` from your LightningModule"
+            )
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"MonarchStrategy supports exactly one optimizer, configure_optimizers returned "
+                f"{len(self.optimizers)}: put all parameter groups into one optimizer"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise MisconfigurationException(
+                "MonarchStrategy commits each optimizer step as one transaction over a global batch: drop "
+                "Trainer(accumulate_grad_batches=...) and raise the DataLoader's batch_size instead"
+            )
+        self._reducer = GradientReducer(list(module.parameters()), self._session.device)
+        self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
+        """Within this replica only: metrics logged with sync_dist=True are not reduced across replicas."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, name: Optional[str] = None) -> None:
+        """Within this replica only: replicas come and go, so a cross-replica barrier could wait on the dead."""
+        if _distributed_is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src)
+        return holder[0]
+
+    # -- data -----------------------------------------------------------------------------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        if self._session is None or not self.lightning_module.trainer.training:
+            return dataloader
+        if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+            raise MisconfigurationException(
+                "MonarchStrategy shards each global batch over the live replicas by sample index: return a "
+                "torch DataLoader over a map-style Dataset (with __len__ and __getitem__) from train_dataloader"
+            )
+        if dataloader.batch_size is None:
+            raise MisconfigurationException(
+                "MonarchStrategy builds the batches itself from one global cursor: give the training DataLoader "
+                "a batch_size (per replica, as with DDP) instead of a batch_sampler"
+            )
+        config = self._session.ctx.config
+        self._global_batch = dataloader.batch_size * config.replicas
+        n = len(dataloader.dataset)
+        tail = n % self._global_batch
+        short_tail = tail and not dataloader.drop_last and tail < config.max_replicas
+        if self._global_batch < config.max_replicas or short_tail:
+            raise MisconfigurationException(
+                f"a global batch of {self._global_batch} (batch_size {dataloader.batch_size} x {config.replicas} "
+                f"replicas) over {n} samples leaves some of up to {config.max_replicas} replicas without a sample "
+                "in a step: raise batch_size, or pass drop_last=True to the training DataLoader"
+            )
+        if self._sampler is None or self._sampler.num_samples != n:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            self._sampler = ElasticSampler(n, shuffle=isinstance(dataloader.sampler, RandomSampler), seed=seed,
+                                           drop_last=dataloader.drop_last)
+            if self._pending_sampler_state is not None:
+                self._sampler.load_state_dict(self._pending_sampler_state)
+                self._pending_sampler_state = None
+        self._batches = _ElasticBatchSampler(self, dataloader.dataset, dataloader.collate_fn)
+        return _ElasticDataLoader(
+            self, dataloader.dataset, batch_sampler=self._batches, num_workers=dataloader.num_workers,
+            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
+            worker_init_fn=dataloader.worker_init_fn, multiprocessing_context=dataloader.multiprocessing_context,
+            generator=dataloader.generator, persistent_workers=dataloader.persistent_workers,
+            prefetch_factor=dataloader.prefetch_factor if dataloader.num_workers else None,
+        )
+
+    def _my_shard(self) -> list[int]:
+        return self._sampler.shard(self._global_batch, self._session.rank, self._session.world)
+
+    # -- the step transaction ------------------------------------------------------------------------------
+
+    def on_train_start(self) -> None:
+        self._fit_loop_started = True
+        super().on_train_start()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._session is not None and self._sampler is not None and args:
+            args = (self._batches.batch_for_step(args[0]), *args[1:])
+            self.lightning_module.log("elastic/replicas", float(self._session.world), prog_bar=True,
+                                      on_step=True, on_epoch=False, batch_size=1)
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        if self._session is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        ctx = self._session.ctx
+        start = self._step
+        self._sync_generation()
+        if ctx.fault and ctx.fault.applies(ctx.replica_id, self._step):
+            ctx.events.emit("fault_injected", replica=ctx.replica_id, step=self._step, mode=ctx.fault.mode,
+                            pid=os.getpid())
+            ctx.fault.fire()
+        self._session.flags.set_phase("compute", self._step)
+        while True:
+            weight = len(self._my_shard()) / len(self._sampler.global_batch(self._global_batch))
+            self._session.begin_step(self._reducer, weight)  # backward starts reducing as gradients arrive
+            loss = closure()
+            if self._reduce(optimizer, weight):
+                break
+            self._sync_generation()
+            if self._step > start:
+                # A peer committed this step while our reduction failed; the heal handed us its result.
+                optimizer.zero_grad(set_to_none=True)
+                return loss
+        output = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
+        self._sampler.advance(self._global_batch)
+        self._step += 1
+        if self._announced_gen != self._session.gen:
+            self._announced_gen = self._session.gen
+            ctx.events.emit("first_commit", replica=ctx.replica_id, gen=self._session.gen, step=self._step - 1,
+                            world=self._session.world)
+        return output
+
+    def _reduce(self, optimizer, weight: float) -> bool:
+        """Sum this replica's gradient, weighted by its share of the global batch; False if the step was dropped."""
+        try:
+            self._session.reduce(self._reducer, weight, [])
+        except CollectiveInterrupted as e:
+            optimizer.zero_grad(set_to_none=True)
+            ctx = self._session.ctx
+            ctx.events.emit("dropped_step", replica=ctx.replica_id, step=self._step, gen=self._session.gen,
+                            reason=type(e).__name__)
+            return False
+        return True
+
+    def _sync_generation(self) -> None:
+        """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
+        session = self._session
+        if not session.needs_join():
+            return
+        session.join(self._step)
+        self._update_rank_zero()
+        if session.action == "checkpoint":
+            self._write_give_up_checkpoint()
+            raise StopReplica("the controller gave up; checkpoint written")
+
+    def _write_give_up_checkpoint(self) -> None:
+        if not self.is_global_zero:
+            return
+        ctx = self._session.ctx
+        os.makedirs(ctx.config.checkpoint_dir, exist_ok=True)
+        path = os.path.abspath(os.path.join(ctx.config.checkpoint_dir, f"step{self._step:08d}.ckpt"))
+        self.lightning_module.trainer.save_checkpoint(path)
+        ctx.events.emit("checkpoint", replica=ctx.replica_id, step=self._step, path=path)
+
+    def finish(self) -> None:
+        """Leave together once every live replica has trained its last step (a death here is healed first)."""
+        while True:
+            self._sync_generation()
+            if self._session.finish():
+                break
+        self._session.close()
+
+    def checksum(self) -> str:
+        return weights_checksum(self.lightning_module)
+
+
+def weights_checksum(module: torch.nn.Module) -> str:
+    """A short digest of a module's weights, to show that every replica ends bitwise identical."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class _HealState:
+    """What a newcomer (or a replica that dropped a step its peers committed) receives from a live peer.
+
+    A newcomer is healed before Lightning's fit loop starts, so it takes everything, the loop progress and the
+    callbacks' state (early stopping, best checkpoints) included, and Lightning resumes mid-epoch exactly as from
+    a mid-epoch checkpoint. A survivor healed mid-run is one step
+    behind, inside `optimizer_step`: it takes the weights, the optimizer's state and the cursor, but keeps its own
+    learning rates, LR schedulers and loop progress, because its loop is about to finish that same step and
+    advance them exactly as the donor's loop already did.
+    """
+
+    def __init__(self, strategy: MonarchStrategy):
+        self.strategy = strategy
+
+    def state_dict(self) -> dict:
+        s = self.strategy
+        trainer = s.lightning_module.trainer
+        return {
+            "step": s._step,
+            "model": s.lightning_module.state_dict(),
+            "optimizers": [o.state_dict() for o in s.optimizers],
+            "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+            "sampler": s._sampler.state_dict() if s._sampler is not None else None,
+            "fit_loop": trainer.fit_loop.state_dict() if s._fit_loop_started else None,
+            "callbacks": call._call_callbacks_state_dict(trainer),
+            "rng": _collect_rng_states(include_cuda=False),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        s = self.strategy
+        trainer = s.lightning_module.trainer
+        s.lightning_module.load_state_dict(state["model"])
+        newcomer = not s._fit_loop_started
+        for optimizer, saved in zip(s.optimizers, state["optimizers"]):
+            own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            optimizer.load_state_dict(saved)
+            if not newcomer:
+                for group, hyper in zip(optimizer.param_groups, own):
+                    group.update(hyper)
+        if newcomer:
+            for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
+                config.scheduler.load_state_dict(saved)
+            if state["fit_loop"] is not None:
+                trainer.fit_loop.load_state_dict(state["fit_loop"])
+            call._call_callbacks_load_state_dict(trainer, state)
+            _set_rng_states(state["rng"])
+        if state["sampler"] is not None:
+            if s._sampler is not None:
+                s._sampler.load_state_dict(state["sampler"])
+            else:
+                s._pending_sampler_state = state["sampler"]
+        s._step = state["step"]
+
+
+class _ElasticBatchSampler:
+    """The training DataLoader's batch sampler: this replica's share of each global batch, from the cursor on.
+
+    Lightning fetches a batch ahead and DataLoader workers prefetch more, so a batch in hand may have been cut
+    for a generation that no longer exists. Each issued share is remembered; at training_step time the strategy
+    swaps in a freshly loaded share when the one in hand is not this step's share for the live group.
+    """
+
+    def __init__(self, strategy: MonarchStrategy, dataset: Any, collate_fn: Callable):
+        self.strategy = strategy
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.sampler = strategy._sampler
+        self.issued: deque[tuple[tuple[int, int], list[int]]] = deque()
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch(self.strategy._global_batch)
+
+    def __iter__(self):
+        sampler, size = self.sampler, self.strategy._global_batch
+        epoch, pos = sampler.epoch, sampler.cursor
+        order = sampler._epoch_order()
+        n = sampler.num_samples
+        while pos < n and not (sampler.drop_last and n - pos < size):
+            batch = order[pos : pos + size].tolist()
+            session = self.strategy._session
+            start, end = shard_bounds(len(batch), session.rank, session.world)
+            self.issued.append(((epoch, pos), batch[start:end]))
+            yield batch[start:end]
+            pos += size
+
+    def batch_for_step(self, batch: Any) -> Any:
+        s = self.strategy
+        key = (self.sampler.epoch, self.sampler.cursor)
+        while self.issued and self.issued[0][0] < key:
+            self.issued.popleft()
+        wanted = s._my_shard()
+        if self.issued and self.issued[0][0] == key and self.issued[0][1] == wanted:
+            return batch
+        return s.batch_to_device(self.collate_fn([self.dataset[i] for i in wanted]))
+
+
+class _ElasticDataLoader(DataLoader):
+    """Stateful for Lightning: its cursor and committed step ride in every checkpoint's loop state, so
+    `fit(ckpt_path=...)` (for example from the checkpoint written when a run gives up) resumes the exact data
+    order."""
+
+    def __init__(self, strategy: MonarchStrategy, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.strategy = strategy
+
+    def state_dict(self) -> dict:
+        return {"sampler": self.strategy._sampler.state_dict(), "step": self.strategy._step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.strategy._sampler.load_state_dict(state["sampler"])
+        self.strategy._step = state["step"]

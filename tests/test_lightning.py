@@ -1,0 +1,203 @@
+"""The Lightning front end end to end: a real Trainer, real Monarch procs, a real SIGKILL from this test.
+
+Each run is `tests/workloads/lightning_fit.py` as a subprocess (`python script.py`, no launcher), so the
+user's process is the controller exactly as in production; the harness kills every worker pid the run
+reported, pass or fail. The checks that need no spawn run in this process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.accelerators import Accelerator  # noqa: E402
+from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from conftest import ElasticRun, alive  # noqa: E402
+from monarch_plugin.integrations.lightning import MonarchStrategy  # noqa: E402
+
+WORKLOAD = Path(__file__).parent / "workloads" / "lightning_fit.py"
+sys.path.insert(0, str(WORKLOAD.parent))
+import lightning_fit  # noqa: E402
+
+
+class LightningRun(ElasticRun):
+    """`python lightning_fit.py ...`: the script's own process is the controller."""
+
+    def start(self, *script_args: str) -> "LightningRun":
+        cmd = [sys.executable, str(WORKLOAD), "--out", str(self.out), "--events", str(self.events_path),
+               *script_args]
+        self.log = open(self.tmp / "run.log", "w")
+        self.proc = subprocess.Popen(cmd, cwd=self.tmp, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        return self
+
+    def result(self) -> dict:
+        return json.loads((self.out / "result.json").read_text())
+
+    def logged(self, key: str) -> list[float]:
+        with open(self.out / "logs" / "version_0" / "metrics.csv") as f:
+            return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
+
+
+@pytest.fixture
+def lightning_run(tmp_path):
+    runs: list[LightningRun] = []
+
+    def make() -> LightningRun:
+        run = LightningRun(tmp_path / f"run{len(runs)}")
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.cleanup()
+
+
+def _every_sample_once_per_epoch(result: dict) -> None:
+    counts = torch.tensor(result["counts"])
+    assert torch.allclose(counts, torch.ones_like(counts), atol=1e-4), counts
+
+
+@pytest.mark.timeout(240)
+def test_sigkill_mid_epoch_fit_survives_with_exact_steps_and_data(lightning_run):
+    epochs, samples, batch, devices = 10, 240, 8, 3
+    run = lightning_run().start("--devices", str(devices), "--min-replicas", "2", "--epochs", str(epochs),
+                                "--samples", str(samples), "--batch", str(batch), "--step-sleep", "0.1")
+    run.wait_for(lambda: run.progress(1) >= 6, timeout=150, what="replica 1 to reach step 6")
+    pids = run.pids()
+    os.kill(pids[1][0], signal.SIGKILL)
+
+    assert run.wait(timeout=180) == 0, run.output
+    result = run.result()
+    # fit returned in the controller with the trained weights, at the exact global step.
+    assert result["state"] == "finished"
+    assert result["global_step"] == epochs * samples // (batch * devices)
+    # Survivors and the replacement finished bitwise identical, and equal to the controller's weights.
+    assert {"0", "2", "3"} == set(result["replica_checksums"]), run.output
+    assert set(result["replica_checksums"].values()) == {result["checksum"]}
+    # Every sample of every epoch took part in exactly one committed step (counted by the gradients).
+    _every_sample_once_per_epoch(result)
+
+    quorums = [q["members"] for q in run.events("quorum")]
+    assert quorums == [[0, 1, 2], [0, 2], [0, 2, 3]], quorums
+    assert [d["replica"] for d in run.events("death")] == [1]
+    assert any(3 in h["recipients"] for h in run.events("heal"))
+    assert "replica 1 died" in run.output and "survivors [0, 2] kept training" in run.output
+    # The replica count reached the logger (and so the progress bar) as it changed.
+    assert {3.0, 2.0} <= set(run.logged("elastic/replicas"))
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)
+
+
+@pytest.mark.timeout(180)
+def test_failure_free_fit_matches_single_process_with_same_global_batch(lightning_run):
+    common = ("--devices", "2", "--epochs", "2", "--samples", "96", "--batch", "8")
+    elastic = lightning_run().start("--strategy", "monarch-name", *common)
+    single = lightning_run().start("--strategy", "single", *common)
+    assert single.wait(timeout=120) == 0, single.output
+    assert elastic.wait(timeout=150) == 0, elastic.output
+
+    assert elastic.result()["global_step"] == single.result()["global_step"] == 2 * 96 // 16
+    mine = torch.load(elastic.out / "weights.pt")
+    reference = torch.load(single.out / "weights.pt")
+    for name, tensor in reference.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    _every_sample_once_per_epoch(elastic.result())
+    assert set(elastic.logged("elastic/replicas")) == {2.0}
+
+
+@pytest.mark.timeout(240)
+def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightning_run):
+    common = ("--devices", "2", "--epochs", "2", "--samples", "96", "--batch", "8")
+    # Replica 0 (rank 0, the one that logs and checkpoints) dies: its successor must write the checkpoint.
+    stopped = lightning_run().start("--min-replicas", "2", "--fault", "sigkill:replica=0:step=8",
+                                    "--step-sleep", "0.05", *common)
+    single = lightning_run().start("--strategy", "single", *common)
+    assert stopped.wait(timeout=150) == 1
+    assert "below min_replicas=2" in stopped.output
+    give_up = stopped.events("give_up")
+    assert len(give_up) == 1 and give_up[0]["checkpoint"].endswith("step00000008.ckpt"), stopped.output
+    assert [c["replica"] for c in stopped.events("checkpoint")] == [1]
+
+    resumed = lightning_run().start("--resume", give_up[0]["checkpoint"], *common)
+    assert resumed.wait(timeout=150) == 0, resumed.output
+    assert single.wait(timeout=60) == 0, single.output
+    assert "Restored all states from the checkpoint" in resumed.output
+    assert resumed.result()["global_step"] == single.result()["global_step"] == 12
+    _every_sample_once_per_epoch(resumed.result())
+    mine = torch.load(resumed.out / "weights.pt")
+    for name, tensor in torch.load(single.out / "weights.pt").items():
+        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+class _NotCPU(Accelerator):
+    """A real (if minimal) Lightning accelerator that is not the CPU one."""
+
+    def setup_device(self, device):
+        pass
+
+    def teardown(self):
+        pass
+
+    @staticmethod
+    def parse_devices(devices):
+        return devices
+
+    @staticmethod
+    def get_parallel_devices(devices):
+        return [torch.device("cpu")] * devices
+
+    @staticmethod
+    def auto_device_count():
+        return 1
+
+    @staticmethod
+    def is_available():
+        return True
+
+    def get_device_stats(self, device):
+        return {}
+
+    @staticmethod
+    def name():
+        return "not_cpu"
+
+
+def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="monarch", logger=False)
+    assert isinstance(trainer.strategy, MonarchStrategy) and trainer.strategy.replicas == 2
+    try:
+        import pytorch_lightning
+    except ImportError:
+        pass
+    else:  # the standalone package has its own class hierarchy and registry; the name works there too
+        trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=3, strategy="monarch", logger=False)
+        assert isinstance(trainer.strategy, pytorch_lightning.strategies.ParallelStrategy)
+        assert type(trainer.strategy).__name__ == "MonarchStrategy" and trainer.strategy.replicas == 3
+
+    with pytest.raises(MisconfigurationException, match=r"raise `devices` or lower `min_replicas`"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(min_replicas=3), logger=False)
+
+    with pytest.raises(MisconfigurationException, match=r"Trainer\(accelerator='cpu'"):
+        pl.Trainer(accelerator=_NotCPU(), devices=2, strategy=MonarchStrategy(), logger=False)
+
+    events = tmp_path / "events.jsonl"
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(events_path=str(events)),
+                         logger=False, max_epochs=1)
+    model = lightning_fit.Unpicklable(16, 1, 4, 4, 0.0, str(tmp_path))
+    loader = DataLoader(lightning_fit.Regression(16, 4), batch_size=2)
+    with pytest.raises(MisconfigurationException, match=r"Unpicklable cannot be pickled.*create them in setup\(\)"):
+        trainer.fit(model, loader)
+    assert not events.exists()  # nothing was spawned
