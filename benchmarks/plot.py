@@ -18,20 +18,23 @@ def main(src: str, dst: str) -> None:
     results = json.load(open(src))
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (size, r) in zip(axes[0], results.items()):
-        for label, series, style in (
-            ("monarch elastic: survivor", r["elastic"]["series"]["survivor"], "-"),
-            ("monarch elastic: replacement", r["elastic"]["series"]["replacement"], "--"),
-            ("monarch + warm spare: replacement", r["warm"]["series"]["replacement"], ":"),
-            ("torchrun checkpoint-restart", r["restart"]["series"]["rank0"], "-"),
+        for label, run, color in (
+            ("monarch-run (cold replacement)", r["elastic"], "tab:blue"),
+            ("monarch-run --spares 1", r["warm"], "tab:green"),
         ):
-            if series:
-                steps, t = zip(*series)
-                ax.plot(t, steps, style, label=label, drawstyle="steps-post")
+            steps, t = zip(*run["series"]["survivor"])
+            ax.plot(t, steps, color=color, label=label, drawstyle="steps-post")
+            if run["series"]["replacement"]:
+                joined_step, joined_t = run["series"]["replacement"][0]
+                ax.plot([joined_t], [joined_step], "o", color=color)
+        steps, t = zip(*r["restart"]["series"]["rank0"])
+        ax.plot(t, steps, color="tab:red", label="torchrun --max-restarts 1 (checkpoint every few steps)",
+                drawstyle="steps-post")
         ax.axvline(0, color="red", lw=0.8)
         ax.text(0, ax.get_ylim()[1] * 0.95, " SIGKILL", color="red", va="top")
         ax.set_title(f"{size} params, 4 replicas")
         ax.set_xlabel("seconds since the kill")
-        ax.set_ylabel("global step committed")
+        ax.set_ylabel("global step committed (dot: replacement's first step)")
         ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
