@@ -42,8 +42,8 @@ def test_overlapped_reduction_weights_and_writes_back(pg):
     model(x).sum().backward()  # hooks launch the buckets; the end of backward writes them back
     for got, want in zip(_grads(model), expected):  # already reduced when backward returns, as DDP
         torch.testing.assert_close(got, want)
-    side = reducer.reduce([1.0, 2.5])
-    assert side == [1.0, 2.5]
+    grow, side = reducer.reduce([1.0, 2.5])
+    assert side == [1.0, 2.5] and grow is False
     for got, want in zip(_grads(model), expected):
         torch.testing.assert_close(got, want)
 
@@ -88,3 +88,17 @@ def test_edits_after_backward_survive_the_commit(pg):
     reducer.reduce([0.0])
     for got, want in zip(_grads(model), clipped):
         torch.testing.assert_close(got, want)
+
+
+def test_the_control_word_rides_in_the_last_bucket(pg):
+    """A waiting grow is agreed inside the gradient reduction itself: no extra collective per step."""
+    model = _model()
+    reducer = GradientReducer(list(model.parameters()), torch.device("cpu"))
+    flags = Flags()
+    flags.regroup(1)
+    reducer.arm(pg, 1.0, flags, 0, 10)
+    model(torch.randn(2, 4)).sum().backward()
+    assert reducer.reduce([]) == (True, [])
+    reducer.arm(pg, 1.0, flags, 1, 10)  # already in generation 1: nothing is waiting
+    model(torch.randn(2, 4)).sum().backward()
+    assert reducer.reduce([]) == (False, [])

@@ -4,9 +4,9 @@ Gradients are packed into flat buckets (in reverse registration order, roughly t
 produces them, as torch DDP does), each weighted by this replica's share of the step's samples so the sum
 over replicas is the mean gradient of the global batch whatever the replica count. With overlap on, a
 bucket's async all-reduce starts from a post-accumulate-grad hook as soon as its last gradient exists,
-so communication runs under the rest of backward. A small float64 side tensor joins the same
-transaction at commit: caller metrics (summed across replicas) and the control word that tells every
-member, consistently, that a grow is waiting. Either every reduction completes and the gradients are
+so communication runs under the rest of backward. The last bucket carries one extra element, the
+control word that tells every member, consistently, that a grow is waiting; caller metrics (summed across
+replicas) follow in a small float64 reduction only when there are any. Either every reduction completes and the gradients are
 written back, or the step raises `CollectiveInterrupted` and nothing is written back.
 """
 
@@ -50,6 +50,12 @@ class GradientReducer:
         if current:
             self.buckets.append(current)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        # Reused every step: fresh 25 MB buffers would page-fault their way in on every step. The last
+        # bucket reduced carries one extra element, the control word, so a step needs no extra collective.
+        self._buffers = [
+            torch.empty(sum(p.numel() for p in b) + (i == len(self.buckets) - 1), dtype=b[0].dtype, device=device)
+            for i, b in enumerate(self.buckets)
+        ]
         self._pg = None
         self._synced = True
         self._reset(None, 1.0, None, -1, 0.0)
@@ -112,8 +118,12 @@ class GradientReducer:
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device)
             for p in self.buckets[i]
         ]
-        flat = torch.cat(parts)
-        flat.mul_(self._weight)
+        flat = self._buffers[i]
+        n = flat.numel() - (i == len(self.buckets) - 1)
+        torch.cat(parts, out=flat[:n])
+        flat[:n].mul_(self._weight)
+        if n < flat.numel():
+            flat[n] = 1.0 if self._flags.regroup_gen > self._gen else 0.0
         self._flats[i] = flat
         self._works[i] = self._pg.allreduce([flat])
 
@@ -137,8 +147,11 @@ class GradientReducer:
 
     # -- commit ----------------------------------------------------------------------------------------
 
-    def reduce(self, side: list[float]) -> list[float]:
-        """Finish the step's transaction: the gradients (if backward did not) and the side tensor."""
+    def reduce(self, metrics: list[float]) -> tuple[bool, list[float]]:
+        """Finish the step's transaction: the gradients (if backward did not) and the caller's metrics.
+
+        Returns whether any member saw a grow waiting (the control word) and the metrics summed.
+        """
         pg, self._pg = self._pg, None  # whatever happens next, no more launches for this step
         if self._misuse:
             raise RuntimeError(
@@ -154,9 +167,12 @@ class GradientReducer:
                 self._complete()
             finally:
                 self._pg = None
-        side_t = torch.tensor(side, dtype=torch.float64, device=self.device)
-        wait_all([pg.allreduce([side_t])], self._flags, self._gen, self._timeout_s)
-        return side_t.cpu().tolist()
+        grow = bool(self._buffers[-1][-1] > 0)
+        if not metrics:
+            return grow, []
+        side = torch.tensor(metrics, dtype=torch.float64, device=self.device)
+        wait_all([pg.allreduce([side])], self._flags, self._gen, self._timeout_s)
+        return grow, side.cpu().tolist()
 
     def scale_local(self, weight: float) -> None:
         """Alone in the group: apply the same weighting the reduction would have applied."""

@@ -168,26 +168,25 @@ class ReplicaSession:
 
     def reduce(self, reducer, weight: float, metrics: list[float]) -> list[float]:
         """One step's transaction over the current generation; raises CollectiveInterrupted to drop it."""
-        grow_waiting = 1.0 if self.flags.regroup_gen > self.gen else 0.0
         failure: CollectiveInterrupted | None = None
         if self.pg is None:
             reducer.scale_local(weight)
-            side = [grow_waiting, *metrics]
+            grow, reduced = self.flags.regroup_gen > self.gen, list(metrics)
         else:
             self.flags.set_phase("reduce")
             try:
-                side = reducer.reduce([grow_waiting, *metrics])
+                grow, reduced = reducer.reduce(list(metrics))
             except CollectiveInterrupted as e:
-                failure, side = e, [0.0, *metrics]
+                failure, grow, reduced = e, False, list(metrics)
                 if isinstance(e, CollectiveTimedOut):
                     self.ctx.store.add(f"stalled/{self.gen}", 1)
-        failed, grow = self._agree_in_replica(failure is not None, side[0] > 0)
+        failed, grow = self._agree_in_replica(failure is not None, grow)
         if failed:
             self._broken = True
             raise failure or CollectiveInterrupted("another proc of this replica dropped the step")
         self._regroup_agreed = grow
         self.flags.set_phase("compute")
-        return side[1:]
+        return reduced
 
     def _agree_in_replica(self, failed: bool, grow: bool) -> tuple[bool, bool]:
         """The procs of one replica (its FSDP shards) must commit or drop a step together, and move to a
