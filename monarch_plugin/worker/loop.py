@@ -57,6 +57,8 @@ class Step:
         Keyword metrics (numbers or tensors) are summed across the replicas inside the same transaction,
         so they count exactly the committed step (available as `step.metrics`). Returns False when the step was dropped; the loop then retries it.
         """
+        if self.committed is not None:
+            raise RuntimeError(f"step {self.number} was already committed: call step.commit() once per step")
         self.committed = self._loop._commit(self, metrics)
         return self.committed
 
