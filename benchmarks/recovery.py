@@ -4,7 +4,7 @@ For each model size, on N replicas of one process each:
   ddp      torchrun + torch DDP (gloo), no failure                     -> steady step time baseline
   elastic  monarch-run + ElasticLoop; replica 1 SIGKILLed by this script -> steady step time, and the
            recovery phases read from the run's own events file (monarch_plugin.report)
-  warm     the same with --spares 1: the replacement is a pre-spawned process
+  warm     the same with --spares 1: a hot spare (training code started, waiting) replaces the dead
   restart  torchrun --max-restarts 1 + DDP checkpointing every K steps; same SIGKILL -> time from the
            kill to the next step, and the steps redone
 
@@ -156,10 +156,11 @@ def table(results: dict, replicas: int) -> str:
     row("steps redone (elastic / checkpoint-restart)",
         lambda r: f"{len(r['elastic']['dropped_steps'])} / {r['restart']['steps_redone']}")
     row("spawn (replacement procs up)", lambda r: ms(r["elastic"]["spawn"]))
-    row("spawn -> healed", lambda r: ms(r["elastic"]["spawn_to_healed"]))
-    row("spawn -> participating", lambda r: ms(r["elastic"]["spawn_to_participating"]))
-    row("with a warm spare: promote -> healed", lambda r: ms(r["warm"]["spawn_to_healed"]))
-    row("with a warm spare: promote -> participating", lambda r: ms(r["warm"]["spawn_to_participating"]))
+    row("cold: spawn began -> healed", lambda r: ms(r["elastic"]["replace_to_healed"]))
+    row("cold: spawn began -> participating", lambda r: ms(r["elastic"]["replace_to_participating"]))
+    row("hot spare: death noticed -> healed", lambda r: ms(r["warm"]["replace_to_healed"]))
+    row("hot spare: death noticed -> participating", lambda r: ms(r["warm"]["replace_to_participating"]))
+    row("hot spare: kill -> next committed step", lambda r: ms(r["warm"]["kill_to_next_commit"]))
     row("heal transfer", lambda r: f"{ms(r['elastic']['heal'])} ({r['elastic']['heal_mb']:.0f} MB)")
     row("steady step: torchrun DDP", lambda r: ms(r["ddp"]["step_s"]))
     row("steady step: monarch elastic", lambda r: ms(r["elastic"]["step_s"]))

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="cross-replica backend")
     p.add_argument("--intra-backend", choices=BACKENDS, default="auto", help="backend inside a replica")
     p.add_argument("--batch-policy", choices=BATCH_POLICIES, default="constant_global")
-    p.add_argument("--spares", type=int, default=0, help="warm spare replicas kept ready to replace a dead one")
+    p.add_argument("--spares", type=int, default=0, help="hot spare replicas, ready to be healed in the moment one dies")
     p.add_argument("--max-restarts", type=int, default=10)
     p.add_argument("--collective-timeout", type=float, default=60.0, help="seconds before a stalled step is investigated")
     p.add_argument("--join-timeout", type=float, default=300.0, help="seconds a new replica may take to start")

@@ -51,8 +51,10 @@ class ElasticConfig:
     scaling rule) while the group is smaller than ``max_replicas``."""
 
     spares: int = 0
-    """Warm spare replica groups kept spawned (processes up, torch imported, training code not started),
-    so a replacement skips process start-up. Each holds its memory but no CPU until it is promoted."""
+    """Hot spare replica groups: they run the training code up to the point of joining and wait there,
+    so a death is answered at once by healing a spare into the shrunken generation (no process start,
+    no model build on the critical path). Each holds its memory but little CPU; a new spare is spawned
+    to replace the one used."""
 
     max_restarts: int = 10
     """Replacements spawned over the whole run before the controller gives up (torchrun's --max-restarts)."""

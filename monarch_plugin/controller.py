@@ -68,8 +68,6 @@ class _Replica:
     results: list[Any] | None = None
     admitted: bool = False
     mesh_stopped: bool = False
-    spare: bool = False  # a warm spare: procs up, torch imported, waiting for `promote`
-    promote: threading.Event = field(default_factory=threading.Event)
 
 
 class ElasticController:
@@ -124,7 +122,7 @@ class ElasticController:
             for _ in range(self.config.replicas):
                 self._spawn(initial=True)
             for _ in range(self.config.spares):
-                self._spawn(initial=False, spare=True)
+                self._spawn(initial=False, spare=True)  # hot spares: they wait, ready, to be admitted
             self._wait_for_initial()
             self._supervise()
             return RunResult(
@@ -143,7 +141,7 @@ class ElasticController:
 
     def _spawn(self, initial: bool, spare: bool = False) -> None:
         rid = len(self.replicas)
-        replica = _Replica(rid=rid, initial=initial, spawned_at=time.time(), spare=spare)
+        replica = _Replica(rid=rid, initial=initial, spawned_at=time.time())
         self.replicas[rid] = replica
         if not initial and not spare:
             self.restarts += 1
@@ -176,19 +174,12 @@ class ElasticController:
             replica.pids = [i["pid"] for i in infos]
             for pid in replica.pids:
                 self._watch_pid(replica, pid)
-            if replica.spare:
-                self.events.emit("spare_up", replica=replica.rid, pids=replica.pids,
-                                 seconds=round(time.time() - replica.spawned_at, 3))
-                while not replica.promote.wait(0.1):
-                    if self._closing.is_set():
-                        return
-                replica.spawned_at = time.time()
             future = replica.actor.run.call(self.target)
         except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
             self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
             return
         self.events.emit("spawn", replica=replica.rid, pids=replica.pids, initial=replica.initial,
-                         warm=replica.promote.is_set(), seconds=round(time.time() - replica.spawned_at, 3))
+                         seconds=round(time.time() - replica.spawned_at, 3))
         self._q.put(("spawned", replica.rid, None))
         try:
             results = list(future.get().values())
@@ -203,7 +194,7 @@ class ElasticController:
             self._drain(timeout=0.02)
             if self._closing.is_set():
                 return
-            ready = [r.rid for r in self.replicas.values() if r.state == "waiting"]
+            ready = [r.rid for r in self.replicas.values() if r.state == "waiting" and r.initial]
             pending = [r for r in self.replicas.values() if r.state == "spawning" and r.initial]
             if not pending or time.monotonic() > deadline:
                 break
@@ -310,10 +301,6 @@ class ElasticController:
         self._unwatch(replica.rid)
         _kill(replica)  # the rest of its group would only block its peers now
         threading.Thread(target=_stop_mesh, args=(replica,), daemon=True).start()
-        if replica.spare:  # never trained: just refill the pool
-            if not self._closing.is_set() and self.restarts < self.config.max_restarts:
-                self._spawn(initial=False, spare=True)
-            return
         if not replica.initial and not replica.admitted:
             self.early_deaths += 1
         if self._closing.is_set():
@@ -326,7 +313,7 @@ class ElasticController:
                     "stopping (lower --min-replicas to keep training on fewer)",
                 )
                 return
-            survivors += self._ready_waiting(limit=self.config.max_replicas - len(survivors))
+            survivors += self._ready_waiting(limit=self.config.replicas - len(survivors))
             self._announce(survivors, reason=f"replica {replica.rid} died", interrupt=True)
         if self.early_deaths >= self.config.crash_loop_limit > 0:
             self._give_up(
@@ -337,9 +324,8 @@ class ElasticController:
         self._schedule_respawn()
 
     def _schedule_respawn(self) -> None:
-        alive = [r for r in self.replicas.values()
-                 if r.state in ("spawning", "waiting", "member") and not r.spare]
-        if len(alive) + len(self._respawn_at) >= self.config.replicas:
+        alive = [r for r in self.replicas.values() if r.state in ("spawning", "waiting", "member")]
+        if len(alive) + len(self._respawn_at) >= self.config.replicas + self.config.spares:
             return
         if self.restarts + len(self._respawn_at) >= self.config.max_restarts:
             self.events.emit("no_respawn", reason=f"max_restarts={self.config.max_restarts} used")
@@ -355,15 +341,7 @@ class ElasticController:
         due = [t for t in self._respawn_at if t <= now]
         for t in due:
             self._respawn_at.remove(t)
-            spare = next((r for r in self.replicas.values()
-                          if r.spare and r.state == "spawning" and r.pids), None)
-            if spare is None:
-                self._spawn(initial=False)
-                continue
-            spare.spare = False
-            self.restarts += 1
-            spare.promote.set()
-            self._spawn(initial=False, spare=True)  # keep the pool full
+            self._spawn(initial=False)
 
     def _ready_waiting(self, limit: int) -> list[int]:
         return [r.rid for r in self.replicas.values() if r.state == "waiting"][: max(limit, 0)]
@@ -374,7 +352,8 @@ class ElasticController:
         current = [m for m in self.members if self.replicas[m].state == "member"]
         if len(current) != len(self.members):
             return  # the generation is finishing or changing; admit at the next one
-        newcomers = self._ready_waiting(limit=self.config.max_replicas - len(current))
+        # Up to the target size; ready replicas beyond it wait as hot spares for the next death.
+        newcomers = self._ready_waiting(limit=self.config.replicas - len(current))
         if newcomers:
             self._announce(current + newcomers, reason=f"replica(s) {newcomers} ready", interrupt=False)
 

@@ -17,11 +17,12 @@ class Recovery:
     detected_by: str
     killed_at: float | None  # from a fault_injected / kill event, when one was recorded
     detected_at: float
-    quorum_at: float | None  # the shrunken generation was published
+    quorum_at: float | None  # the generation without the dead replica was published
     survivors: list[int]
     dropped_steps: list[int]
-    resumed_at: float | None  # first step committed by the survivors in the new generation
+    resumed_at: float | None  # first step committed in that generation
     replacement: int | None = None
+    hot_spare: bool = False  # the replacement was already running and waiting when the death came
     spawn_started_at: float | None = None
     spawned_at: float | None = None
     healed_at: float | None = None
@@ -29,6 +30,11 @@ class Recovery:
     heal_bytes: int | None = None
     participating_at: float | None = None  # the replacement's first committed step
     participating_step: int | None = None
+
+    @property
+    def replace_started_at(self) -> float | None:
+        """When replacing began: the spawn for a cold replacement, the detection for a hot spare."""
+        return self.detected_at if self.hot_spare else self.spawn_started_at
 
     def phases(self) -> dict[str, float | None]:
         """Durations in seconds (None where a phase did not happen)."""
@@ -40,40 +46,43 @@ class Recovery:
         return {
             "kill_to_detected": since(self.killed_at, self.detected_at),
             "kill_to_next_commit": since(t0, self.resumed_at),
-            "spawn": since(self.spawn_started_at, self.spawned_at),
-            "spawn_to_healed": since(self.spawn_started_at, self.healed_at),
-            "spawn_to_participating": since(self.spawn_started_at, self.participating_at),
+            "spawn": None if self.hot_spare else since(self.spawn_started_at, self.spawned_at),
+            "replace_to_healed": since(self.replace_started_at, self.healed_at),
+            "replace_to_participating": since(self.replace_started_at, self.participating_at),
             "heal": self.heal_seconds,
         }
 
 
 def recoveries(events: list[dict]) -> list[Recovery]:
-    found = []
+    found: list[Recovery] = []
+    quorums = [e for e in events if e["event"] == "quorum"]
     for death in (e for e in events if e["event"] == "death"):
         rid = death["replica"]
         kills = [e for e in events if e["event"] in ("fault_injected", "kill") and e.get("replica") == rid]
-        quorum = next((e for e in events if e["event"] == "quorum" and e["ts"] >= death["ts"]
-                       and rid not in e["members"]), None)
+        before = [q for q in quorums if q["ts"] <= death["ts"]]
+        members_before = before[-1]["members"] if before else []
+        after = [q for q in quorums if q["ts"] >= death["ts"] and rid not in q["members"]]
+        shrink = after[0] if after else None
         rec = Recovery(
             replica=rid, detected_by=death["detected_by"],
             killed_at=kills[0]["ts"] if kills else None, detected_at=death["ts"],
-            quorum_at=quorum["ts"] if quorum else None,
-            survivors=quorum["members"] if quorum else [],
+            quorum_at=shrink["ts"] if shrink else None,
+            survivors=[m for m in shrink["members"] if m in members_before] if shrink else [],
             dropped_steps=sorted({e["step"] for e in events if e["event"] == "dropped_step"
                                   and e["gen"] == death.get("gen")}),
             resumed_at=None,
         )
-        if quorum:
-            firsts = [e for e in events if e["event"] == "first_commit" and e["gen"] == quorum["gen"]]
+        if shrink:
+            firsts = [e for e in events if e["event"] == "first_commit" and e["gen"] == shrink["gen"]]
             rec.resumed_at = min((e["ts"] for e in firsts), default=None)
-        later = [e for e in events if e["event"] == "spawn" and not e.get("initial") and e["ts"] > death["ts"]
-                 and not any(r.replacement == e["replica"] for r in found)]
-        if later:
-            spawn = later[0]
-            new = spawn["replica"]
+        claimed = {r.replacement for r in found}
+        new = next((m for q in after for m in q["members"] if m not in members_before and m not in claimed), None)
+        if new is not None:
             rec.replacement = new
-            rec.spawned_at = spawn["ts"]
-            rec.spawn_started_at = spawn["ts"] - spawn["seconds"]
+            spawn = next((e for e in events if e["event"] == "spawn" and e["replica"] == new), None)
+            if spawn:
+                rec.spawned_at, rec.spawn_started_at = spawn["ts"], spawn["ts"] - spawn["seconds"]
+                rec.hot_spare = rec.spawn_started_at < death["ts"]
             heal = next((e for e in events if e["event"] == "heal" and new in e["recipients"]), None)
             if heal:
                 rec.healed_at, rec.heal_seconds, rec.heal_bytes = heal["ts"], heal["seconds"], heal["bytes"]
@@ -99,6 +108,10 @@ def format_recovery(rec: Recovery) -> str:
     if rec.replacement is not None:
         heal = (f"healed from a live peer in {ms(rec.heal_seconds)} ({rec.heal_bytes / 1e6:.1f} MB)"
                 if rec.heal_seconds is not None else "not healed")
-        lines.append(f"  replacement replica {rec.replacement}: spawned in {ms(p['spawn'])}, {heal}, "
-                     f"training at step {rec.participating_step} {ms(p['spawn_to_participating'])} after spawn began")
+        if rec.hot_spare:
+            lines.append(f"  hot spare replica {rec.replacement} took its place: {heal}, training at step "
+                         f"{rec.participating_step} {ms(p['replace_to_participating'])} after the death was noticed")
+        else:
+            lines.append(f"  replacement replica {rec.replacement}: spawned in {ms(p['spawn'])}, {heal}, training at "
+                         f"step {rec.participating_step} {ms(p['replace_to_participating'])} after spawn began")
     return "\n".join(lines)

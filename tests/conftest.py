@@ -62,7 +62,7 @@ class ElasticRun:
         return [e for e in records if kind is None or e["event"] == kind]
 
     def pids(self) -> dict[int, list[int]]:
-        return {e["replica"]: e["pids"] for e in self.events() if e["event"] in ("spawn", "spare_up")}
+        return {e["replica"]: e["pids"] for e in self.events("spawn")}
 
     def wait_for(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout

@@ -84,20 +84,23 @@ def test_multi_proc_replica_is_replaced_whole(elastic_run):
     assert not any(alive(pid) for pid in pids[1])
 
 
-def test_warm_spare_replaces_a_dead_replica(elastic_run):
+def test_hot_spare_takes_a_dead_replicas_place_at_once(elastic_run):
     run = elastic_run()
     run.start("--replicas", "2", "--min-replicas", "1", "--spares", "1", "--join-timeout", "120",
               script_args=("--epochs", "8", "--samples", "256", "--batch", "16", "--step-sleep", "0.05",
                            "--out", str(run.out)))
-    run.wait_for(lambda: run.progress(0) >= 5 and any(e["replica"] == 2 for e in run.events("spare_up")),
-                 timeout=120, what="training with a spare up")
+    run.wait_for(lambda: run.progress(0) >= 5 and any(e["replica"] == 2 for e in run.events("ready")),
+                 timeout=120, what="training with a spare waiting")
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1]]  # the spare waits, not admitted
     os.kill(run.pids()[0][0], signal.SIGKILL)
     assert run.wait(timeout=180) == 0, run.output
-    promoted = [s for s in run.events("spawn") if s["replica"] == 2]
-    assert promoted and promoted[0]["warm"] is True
+    quorums = run.events("quorum")
+    assert quorums[1]["members"] == [1, 2] and quorums[1]["interrupt"] is True  # shrink and refill at once
+    assert any(2 in h["recipients"] for h in run.events("heal"))
     results = run.results()
-    assert set(results) == {1, 2}
+    assert {1, 2} <= set(results)
     assert results[1]["checksum"] == results[2]["checksum"] and results[2]["step"] == 8 * 256 // 16
+    assert "hot spare replica 2 took its place" in run.output
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
 

@@ -99,10 +99,10 @@ class ReplicaSession:
                 if self.gen >= 0:
                     raise StopReplica(f"generation {latest} does not include replica {rid}")
                 seen = latest
-            if time.monotonic() > deadline:
+            if self.gen >= 0 and time.monotonic() > deadline:  # a spare may wait as long as it is kept
                 raise TimeoutError(
-                    f"replica {rid} waited {self.ctx.config.join_timeout_s:.0f}s for the controller to "
-                    "admit it: raise join_timeout_s if spawning is this slow"
+                    f"replica {rid} waited {self.ctx.config.join_timeout_s:.0f}s for the controller's next "
+                    "generation after its own was aborted: is the controller still running?"
                 )
             time.sleep(0.005)
 
