@@ -229,16 +229,9 @@ class ElasticController:
     def _training_over(self) -> bool:
         if self.finished_gen is None:
             return False
-        if not all(self.replicas[m].state in ("finished", "dead") for m in self._finishers()):
-            return False
-        # A replacement admitted after the finishing generation closed has nothing left to do.
-        for replica in self.replicas.values():
-            if replica.state in ("spawning", "waiting", "member") and replica.control is not None:
-                try:
-                    replica.control.shutdown.broadcast()
-                except Exception:  # noqa: BLE001 - it is torn down with the rest
-                    pass
-        return True
+        # Anyone else (a spare, a replacement admitted after that generation closed) has nothing left to
+        # do; the shutdown that follows stops them.
+        return all(self.replicas[m].state in ("finished", "dead") for m in self._finishers())
 
     def _drain(self, timeout: float) -> None:
         try:
