@@ -132,6 +132,7 @@ class GradientReducer:
         for i in range(len(self.buckets)):
             if i not in self._works:
                 self._launch(i)
+        self._flags.set_phase("reduce")  # waiting on peers: the controller must not take this for a hang
         wait_all([self._works[i] for i in range(len(self.buckets))], self._flags, self._gen, self._timeout_s)
         for i, bucket in enumerate(self.buckets):
             flat, offset = self._flats[i], 0
@@ -144,6 +145,7 @@ class GradientReducer:
                     p.grad.copy_(chunk)
                 offset += n
         self._reduced = True
+        self._flags.set_phase("compute")
 
     # -- commit ----------------------------------------------------------------------------------------
 
