@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,9 @@ def test_sigkill_mid_epoch_fit_survives_with_exact_steps_and_data(lightning_run)
     # Survivors and the replacement finished bitwise identical, and equal to the controller's weights.
     assert {"0", "2", "3"} == set(result["replica_checksums"]), run.output
     assert set(result["replica_checksums"].values()) == {result["checksum"]}
+    # ...and at the same logging step, so metrics stay on the same x-axis if the replacement becomes rank 0.
+    logger_steps = {r: int((run.out / f"logger-step-{r}").read_text()) for r in (0, 2, 3)}
+    assert logger_steps == dict.fromkeys((0, 2, 3), result["global_step"]), logger_steps
     # Every sample of every epoch took part in exactly one committed step (counted by the gradients).
     _every_sample_once_per_epoch(result)
 
@@ -99,6 +103,109 @@ def test_sigkill_mid_epoch_fit_survives_with_exact_steps_and_data(lightning_run)
     assert {3.0, 2.0} <= set(run.logged("elastic/replicas"))
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
+
+
+def _validations(run: LightningRun, name: str) -> list[tuple[int, float]]:
+    path = run.out / f"val-{name}"
+    return [(int(step), float(loss)) for step, loss in (line.split() for line in path.read_text().splitlines())]
+
+
+@pytest.mark.timeout(240)
+def test_two_sigkills_mid_window_keep_accumulation_clipping_schedule_validation_and_max_steps_exact(lightning_run):
+    # A step is a window of 2 micro-batches of 12 samples (4 per replica at 3 replicas, 6 at 2); 10 steps an
+    # epoch; validation every 6 micro-batches of every 2nd epoch; max_steps ends the run halfway into epoch 6.
+    common = ("--devices", "3", "--batch", "4", "--accumulate", "2", "--clip", "0.05", "--samples", "240",
+              "--epochs", "10", "--max-steps", "65", "--val-samples", "32", "--val-interval", "6",
+              "--val-every-n-epoch", "2")
+    run = lightning_run().start("--min-replicas", "2", "--step-sleep", "0.1", "--slow-replica", "1", *common)
+    single = lightning_run().start("--strategy", "single", *common)
+
+    def right_after_a_commit() -> int:
+        """The step replica 0 starts next, within a few ms of the previous one committing."""
+        before = run.progress(0)
+        deadline = time.monotonic() + 30
+        while run.progress(0) <= before:
+            assert time.monotonic() < deadline and run.proc.poll() is None, run._tail()
+            time.sleep(0.002)
+        return run.progress(0)
+
+    # Kill 1: the survivors have run both micro-batches and wait inside the reduction for the straggler, so
+    # the step is dropped and the whole window redone by the shrunk group.
+    run.wait_for(lambda: run.progress(1) >= 5, timeout=150, what="replica 1 to reach step 5")
+    dropped = right_after_a_commit()
+    time.sleep(0.3)
+    os.kill(run.pids()[1][0], signal.SIGKILL)
+    # Kill 2: the replacement dies while the others run the first micro-batch of a window, so they enter the
+    # shrunk generation before reducing and rerun that micro-batch on their new shares.
+    run.wait_for(lambda: run.progress(3) >= 1, timeout=90, what="replacement replica 3 to train")
+    right_after_a_commit()
+    os.kill(run.pids()[3][0], signal.SIGKILL)
+
+    assert run.wait(timeout=180) == 0, run.output
+    assert single.wait(timeout=60) == 0, single.output
+    result, reference = run.result(), single.result()
+    quorums = [q["members"] for q in run.events("quorum")]
+    assert quorums == [[0, 1, 2], [0, 2], [0, 2, 3], [0, 2], [0, 2, 4]], run.output
+    dropped_steps = {(d["gen"], d["replica"], d["step"]) for d in run.events("dropped_step")}
+    assert dropped_steps == {(0, 0, dropped), (0, 2, dropped)}, dropped_steps  # kill 2 dropped nothing
+    assert result["global_step"] == reference["global_step"] == 65
+    assert {"0", "2", "4"} == set(result["replica_checksums"]), run.output
+    assert set(result["replica_checksums"].values()) == {result["checksum"]}
+    # Every sample of epochs 0-5 and of the first 5 steps of epoch 6 took part in exactly one committed step:
+    # a window whose first micro-batch was cut for the old group and not redone would miss or repeat samples.
+    counts = torch.tensor(result["counts"])
+    torch.testing.assert_close(counts[:6], torch.ones_like(counts[:6]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(counts[6, :120], torch.ones(120), atol=1e-4, rtol=0)
+    assert counts[6, 120:].abs().max() < 1e-6 and counts[7:].abs().max() < 1e-6
+    # Same trajectory as one process taking whole global micro-batches: accumulation, value clipping of the
+    # reduced gradient (clipping each replica's weighted share would differ), momentum, the per-step schedule.
+    mine, ref = torch.load(run.out / "weights.pt"), torch.load(single.out / "weights.pt")
+    for name, tensor in ref.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    # Validation ran at the same global steps as in the single process and on the same weights, on every
+    # replica; each replacement validated from its join on, on weights bitwise equal to the survivors'.
+    expected = [step for step, _ in _validations(single, "single")]
+    assert expected == [13, 16, 19, 33, 36, 39, 53, 56, 59]
+    survivors = {r: dict(_validations(run, str(r))) for r in (0, 2)}
+    assert list(survivors[0]) == expected and survivors[0] == survivors[2]
+    for step, loss in _validations(single, "single"):
+        assert survivors[0][step] == pytest.approx(loss, rel=1e-4)
+    for replica in (3, 4):
+        joined = next(h["step"] for h in run.events("heal") if replica in h["recipients"])
+        since_join = [(step, survivors[0][step]) for step in expected if step > joined]
+        validated = _validations(run, str(replica)) if (run.out / f"val-{replica}").exists() else []
+        # Replica 3 was killed part-way: what it validated before is a prefix of the schedule since its join.
+        assert validated == (since_join if replica == 4 else since_join[: len(validated)]), (replica, joined)
+
+
+@pytest.mark.timeout(180)
+def test_hot_spare_admitted_mid_window_resumes_at_the_window_start(lightning_run):
+    # 3 micro-batches a step. The survivor has run all three and waits in the reduction for the straggler when
+    # it dies; the death's generation admits the spare at once, so the survivor heals it from inside a window
+    # it has half run: the spare must start at that window's first micro-batch, not where the donor's loop is.
+    common = ("--devices", "2", "--batch", "4", "--accumulate", "3", "--samples", "144", "--epochs", "3")
+    run = lightning_run().start("--min-replicas", "1", "--spares", "1", "--step-sleep", "0.05",
+                                "--slow-replica", "1", *common)
+    single = lightning_run().start("--strategy", "single", *common)
+    run.wait_for(lambda: run.progress(1) >= 3 and any(e["replica"] == 2 for e in run.events("ready")),
+                 timeout=150, what="replica 1 at step 3 and the spare ready")
+    before = run.progress(0)
+    run.wait_for(lambda: run.progress(0) > before, timeout=30, what="a commit")
+    time.sleep(0.45)
+    os.kill(run.pids()[1][0], signal.SIGKILL)
+
+    assert run.wait(timeout=150) == 0, run.output
+    assert single.wait(timeout=60) == 0, single.output
+    assert [q["members"] for q in run.events("quorum")][:2] == [[0, 1], [0, 2]], run.output
+    assert [d["replica"] for d in run.events("dropped_step")] == [0], run.output
+    assert any(h["recipients"] == [2] and h["gen"] == 1 for h in run.events("heal")), run.output
+    result = run.result()
+    assert result["global_step"] == single.result()["global_step"] == 3 * 144 // 24
+    assert set(result["replica_checksums"]) >= {"0", "2"} and len(set(result["replica_checksums"].values())) == 1
+    _every_sample_once_per_epoch(result)
+    mine, ref = torch.load(run.out / "weights.pt"), torch.load(single.out / "weights.pt")
+    for name, tensor in ref.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.timeout(180)
@@ -120,7 +227,9 @@ def test_failure_free_fit_matches_single_process_with_same_global_batch(lightnin
 
 @pytest.mark.timeout(240)
 def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightning_run):
-    common = ("--devices", "2", "--epochs", "2", "--samples", "96", "--batch", "8")
+    # Two micro-batches a step: the survivor writes the checkpoint with the window's first micro-batch run (a
+    # death is noticed mid-window), so the checkpoint must hold Lightning's progress as of the window's start.
+    common = ("--devices", "2", "--epochs", "2", "--samples", "192", "--batch", "8", "--accumulate", "2")
     # Replica 0 (rank 0, the one that logs and checkpoints) dies: its successor must write the checkpoint.
     stopped = lightning_run().start("--min-replicas", "2", "--fault", "sigkill:replica=0:step=8",
                                     "--step-sleep", "0.05", *common)
@@ -199,5 +308,9 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     model = lightning_fit.Unpicklable(16, 1, 4, 4, 0.0, str(tmp_path))
     loader = DataLoader(lightning_fit.Regression(16, 4), batch_size=2)
     with pytest.raises(MisconfigurationException, match=r"Unpicklable cannot be pickled.*create them in setup\(\)"):
+        trainer.fit(model, loader)
+    model = lightning_fit.Model(16, 1, 4, 4, 0.0, str(tmp_path))
+    model.automatic_optimization = False
+    with pytest.raises(MisconfigurationException, match=r"remove `self.automatic_optimization = False`"):
         trainer.fit(model, loader)
     assert not events.exists()  # nothing was spawned

@@ -44,6 +44,12 @@ class _MonarchLauncher(_Launcher):
                 "Trainer(strategy='auto')"
             )
         model = args[0] if args else kwargs.get("model")
+        if not model.automatic_optimization:
+            raise MisconfigurationException(
+                "MonarchStrategy redoes a step that a death interrupted (all of its accumulated micro-batches), "
+                "which needs Lightning's automatic optimization: remove `self.automatic_optimization = False` "
+                "from your LightningModule"
+            )
         try:
             cloudpickle.dumps(model)
         except Exception as e:  # noqa: BLE001 - any pickling failure has the same fix

@@ -6,17 +6,22 @@ data-parallel strategy whose torch.distributed default group holds only that rep
 own collectives (`self.log(sync_dist=True)`, barriers, the SIGTERM broadcast) never cross replicas. Everything
 that crosses replicas goes through the runtime's `ReplicaSession`:
 
-* `optimizer_step` runs Lightning's closure (training_step + backward) on this replica's share of the global
-  batch, reduces the weighted gradients over the live replicas, and steps the optimizer only if the reduction
-  committed. A step that a death interrupts is dropped and redone inside the same call, by the new generation,
-  on the same global batch, so `trainer.global_step` counts committed steps exactly.
+* A global step is a window of `accumulate_grad_batches` micro-batches, each one global batch cut over the live
+  replicas. The window's earlier micro-batches run under the reducer's `no_sync()` as Lightning drives them;
+  `optimizer_step` runs the last one (Lightning's closure: training_step + backward), whose backward reduces the
+  accumulated, weighted gradients over the live replicas, and steps the optimizer only if the reduction
+  committed. A step that a death interrupts (or whose earlier micro-batches were cut for a generation that is
+  gone) is redone whole inside the same call, by the new generation, on the same global micro-batches, so
+  `trainer.global_step`, LR schedules and validation points are exactly those of a run without failures.
 * The training dataloader draws from the runtime's `ElasticSampler` (one global cursor, moved only on commit).
 * A newcomer joins before the fit loop starts and heals from a live peer: model, optimizer, LR schedulers,
-  sampler cursor, RNG and the fit loop's progress, which Lightning then resumes mid-epoch as from a checkpoint.
+  sampler cursor, RNG and the fit loop's progress as of the start of the step's window, which Lightning then
+  resumes mid-epoch as from a checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections import deque
@@ -63,7 +68,7 @@ class MonarchStrategy(ParallelStrategy):
         events_path: JSON-lines file of spawns, deaths, generations, dropped steps and heals.
         checkpoint_dir: where one Lightning checkpoint is written if the run gives up.
         max_restarts: replacements spawned over the whole run.
-        spares: warm spare replicas kept spawned, so a replacement skips process start-up.
+        spares: hot spare replicas: they start `fit`, wait ready, and take a dead replica's place at once.
     """
 
     strategy_name = "monarch"
@@ -100,8 +105,15 @@ class MonarchStrategy(ParallelStrategy):
         self._reducer: Optional[GradientReducer] = None
         self._sampler: Optional[ElasticSampler] = None
         self._pending_sampler_state: Optional[dict] = None
+        self._pending_logger_step: Optional[int] = None
         self._batches: Optional[_ElasticBatchSampler] = None
         self._global_batch = 0
+        self._accumulate = 1
+        self._micro = 0
+        """Index in its window of the micro-batch `training_step` runs next, which between micro-batches and while
+        a step is being reduced is the number of the window's micro-batches Lightning counts as completed."""
+        self._window_gen: Optional[int] = None
+        """The generation the window's micro-batches were cut for; None before its first micro-batch."""
         self._step = 0
         self._fit_loop_started = False
         self._announced_gen = -1
@@ -198,21 +210,12 @@ class MonarchStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING or self._session is None:
             return
         module = self.lightning_module
-        if not module.automatic_optimization:
-            raise MisconfigurationException(
-                "MonarchStrategy redoes a step that a death interrupted, which needs Lightning's automatic "
-                "optimization: remove `self.automatic_optimization = False` from your LightningModule"
-            )
         if len(self.optimizers) != 1:
             raise MisconfigurationException(
                 f"MonarchStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}: put all parameter groups into one optimizer"
             )
-        if trainer.accumulate_grad_batches != 1:
-            raise MisconfigurationException(
-                "MonarchStrategy commits each optimizer step as one transaction over a global batch: drop "
-                "Trainer(accumulate_grad_batches=...) and raise the DataLoader's batch_size instead"
-            )
+        self._accumulate = trainer.accumulate_grad_batches
         self._reducer = GradientReducer(list(module.parameters()), self._session.device)
         self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
 
@@ -279,8 +282,20 @@ class MonarchStrategy(ParallelStrategy):
             prefetch_factor=dataloader.prefetch_factor if dataloader.num_workers else None,
         )
 
-    def _my_shard(self) -> list[int]:
-        return self._sampler.shard(self._global_batch, self._session.rank, self._session.world)
+    def _window(self) -> list[list[int]]:
+        """The global micro-batches of the step at the cursor, cut from the epoch as Lightning cuts batches."""
+        return [batch for _, batch in _micro_batches(self._sampler, self._global_batch, self._accumulate)]
+
+    def _share(self, micro: int) -> list[int]:
+        batch = self._window()[micro]
+        start, end = shard_bounds(len(batch), self._session.rank, self._session.world)
+        return batch[start:end]
+
+    def _weight(self) -> float:
+        """This replica's fraction of the step's samples, so the sum over replicas is the global-batch mean."""
+        window = self._window()
+        mine = sum(len(self._share(i)) for i in range(len(window)))
+        return mine / sum(len(batch) for batch in window)
 
     # -- the step transaction ------------------------------------------------------------------------------
 
@@ -288,43 +303,83 @@ class MonarchStrategy(ParallelStrategy):
         self._fit_loop_started = True
         super().on_train_start()
 
+    def block_backward_sync(self):
+        """Lightning's accumulation micro-batches: their backward accumulates locally, as under DDP's no_sync."""
+        return self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext()
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._session is not None and self._sampler is not None and args:
-            args = (self._batches.batch_for_step(args[0]), *args[1:])
+            if self._window_gen is None:
+                self._start_window()
+            args = (self._batches.batch_for(args[0], self._micro), *args[1:])
+            self._micro += 1
             self.lightning_module.log("elastic/replicas", float(self._session.world), prog_bar=True,
                                       on_step=True, on_epoch=False, batch_size=1)
         return super().training_step(*args, **kwargs)
 
-    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        if self._session is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
+    def _start_window(self) -> None:
+        """A step boundary: enter a waiting generation (so a newcomer heals here) before any micro-batch runs."""
         ctx = self._session.ctx
-        start = self._step
         self._sync_generation()
+        if self._pending_logger_step is not None:
+            # A healed newcomer: Lightning adds one to the logging step when it restores loop progress saved
+            # after a batch, but a heal is taken before one.
+            self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self._pending_logger_step
+            self._pending_logger_step = None
         if ctx.fault and ctx.fault.applies(ctx.replica_id, self._step):
             ctx.events.emit("fault_injected", replica=ctx.replica_id, step=self._step, mode=ctx.fault.mode,
                             pid=os.getpid())
             ctx.fault.fire()
         self._session.flags.set_phase("compute", self._step)
+        self._window_gen = self._session.gen
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        if self._session is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._window_gen is None:
+            self._start_window()  # a one-micro-batch window: the closure below is its only micro-batch
+        start, last = self._step, self._micro
         while True:
-            weight = len(self._my_shard()) / len(self._sampler.global_batch(self._global_batch))
-            self._session.begin_step(self._reducer, weight)  # backward starts reducing as gradients arrive
-            loss = closure()
-            if self._reduce(optimizer, weight):
-                break
             self._sync_generation()
             if self._step > start:
                 # A peer committed this step while our reduction failed; the heal handed us its result.
                 optimizer.zero_grad(set_to_none=True)
+                self._micro, self._window_gen = 0, None
                 return loss
+            if self._window_gen != self._session.gen:
+                self._redo_window(optimizer, closure, last)
+            weight = self._weight()
+            self._session.begin_step(self._reducer, weight)  # backward starts reducing as gradients arrive
+            loss = closure()
+            self._micro = last  # Lightning completes that micro-batch only after the step: it stays in flight
+            if self._reduce(optimizer, weight):
+                break
+            self._window_gen = -1  # its gradients are gone: redo the whole window
+        micro_batches = len(self._window())
         output = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
-        self._sampler.advance(self._global_batch)
+        for _ in range(micro_batches):
+            self._sampler.advance(self._global_batch)
         self._step += 1
+        self._micro, self._window_gen = 0, None
         if self._announced_gen != self._session.gen:
             self._announced_gen = self._session.gen
+            ctx = self._session.ctx
             ctx.events.emit("first_commit", replica=ctx.replica_id, gen=self._session.gen, step=self._step - 1,
                             world=self._session.world)
         return output
+
+    def _redo_window(self, optimizer, closure: Callable[[], Any], last: int) -> None:
+        """Rerun the window's micro-batches before `last` on this generation's shares, accumulating locally.
+
+        Lightning's closure of the last micro-batch serves for all of them: `training_step` swaps in the share
+        of micro-batch `self._micro`, and that closure never zeroes gradients (only a window's first does).
+        """
+        optimizer.zero_grad(set_to_none=True)
+        self._window_gen = self._session.gen
+        with self._reducer.no_sync():
+            for micro in range(last):
+                self._micro = micro
+                closure()
 
     def _reduce(self, optimizer, weight: float) -> bool:
         """Sum this replica's gradient, weighted by its share of the global batch; False if the step was dropped."""
@@ -355,8 +410,31 @@ class MonarchStrategy(ParallelStrategy):
         ctx = self._session.ctx
         os.makedirs(ctx.config.checkpoint_dir, exist_ok=True)
         path = os.path.abspath(os.path.join(ctx.config.checkpoint_dir, f"step{self._step:08d}.ckpt"))
-        self.lightning_module.trainer.save_checkpoint(path)
+        with self._progress_at_window_start():
+            self.lightning_module.trainer.save_checkpoint(path)
         ctx.events.emit("checkpoint", replica=ctx.replica_id, step=self._step, path=path)
+
+    @contextlib.contextmanager
+    def _progress_at_window_start(self):
+        """Lightning's batch progress as of the current step's first micro-batch, for the state others resume.
+
+        A generation can change while a window is half run; whoever resumes from this state (a newcomer, or a
+        `fit(ckpt_path=...)`) starts from the step's cursor, so its loop must start at the window's first
+        micro-batch too, or it would step after the wrong number of micro-batches.
+        """
+        progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress
+        if not self._micro:  # at a window start (or after the last step) the live progress is already right
+            yield
+            return
+        saved = progress.state_dict()
+        for tracker in (progress.total, progress.current):
+            for name in ("ready", "started", "processed", "completed"):
+                setattr(tracker, name, getattr(tracker, name) - self._micro)
+        progress.is_last_batch = False
+        try:
+            yield
+        finally:
+            progress.load_state_dict(saved)
 
     def finish(self) -> None:
         """Leave together once every live replica has trained its last step (a death here is healed first)."""
@@ -365,6 +443,10 @@ class MonarchStrategy(ParallelStrategy):
             if self._session.finish():
                 break
         self._session.close()
+
+    def _fit_loop_state(self) -> dict:
+        with self._progress_at_window_start():
+            return self.lightning_module.trainer.fit_loop.state_dict()
 
     def checksum(self) -> str:
         return weights_checksum(self.lightning_module)
@@ -402,7 +484,8 @@ class _HealState:
             "optimizers": [o.state_dict() for o in s.optimizers],
             "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "sampler": s._sampler.state_dict() if s._sampler is not None else None,
-            "fit_loop": trainer.fit_loop.state_dict() if s._fit_loop_started else None,
+            "fit_loop": s._fit_loop_state() if s._fit_loop_started else None,
+            "logger_step": trainer.fit_loop.epoch_loop._batches_that_stepped,
             "callbacks": call._call_callbacks_state_dict(trainer),
             "rng": _collect_rng_states(include_cuda=False),
         }
@@ -423,6 +506,7 @@ class _HealState:
                 config.scheduler.load_state_dict(saved)
             if state["fit_loop"] is not None:
                 trainer.fit_loop.load_state_dict(state["fit_loop"])
+                s._pending_logger_step = state["logger_step"]
             call._call_callbacks_load_state_dict(trainer, state)
             _set_rng_states(state["rng"])
         if state["sampler"] is not None:
@@ -434,11 +518,12 @@ class _HealState:
 
 
 class _ElasticBatchSampler:
-    """The training DataLoader's batch sampler: this replica's share of each global batch, from the cursor on.
+    """The training DataLoader's batch sampler: this replica's share of each global micro-batch, from the cursor on.
 
     Lightning fetches a batch ahead and DataLoader workers prefetch more, so a batch in hand may have been cut
-    for a generation that no longer exists. Each issued share is remembered; at training_step time the strategy
-    swaps in a freshly loaded share when the one in hand is not this step's share for the live group.
+    for a generation that no longer exists. Each issued share is remembered by (epoch, window start, micro-batch);
+    at training_step time the strategy swaps in a freshly loaded share when the one in hand is not that
+    micro-batch's share for the live group (and when it reruns a window, whose earlier shares are long gone).
     """
 
     def __init__(self, strategy: MonarchStrategy, dataset: Any, collate_fn: Callable):
@@ -452,27 +537,36 @@ class _ElasticBatchSampler:
         return self.sampler.steps_per_epoch(self.strategy._global_batch)
 
     def __iter__(self):
-        sampler, size = self.sampler, self.strategy._global_batch
-        epoch, pos = sampler.epoch, sampler.cursor
-        order = sampler._epoch_order()
-        n = sampler.num_samples
-        while pos < n and not (sampler.drop_last and n - pos < size):
-            batch = order[pos : pos + size].tolist()
-            session = self.strategy._session
+        sampler, strategy = self.sampler, self.strategy
+        epoch = sampler.epoch
+        for k, (pos, batch) in enumerate(_micro_batches(sampler, strategy._global_batch)):
+            micro = k % strategy._accumulate
+            window_start = pos - micro * strategy._global_batch
+            session = strategy._session
             start, end = shard_bounds(len(batch), session.rank, session.world)
-            self.issued.append(((epoch, pos), batch[start:end]))
+            self.issued.append(((epoch, window_start, micro), batch[start:end]))
             yield batch[start:end]
-            pos += size
 
-    def batch_for_step(self, batch: Any) -> Any:
+    def batch_for(self, batch: Any, micro: int) -> Any:
         s = self.strategy
-        key = (self.sampler.epoch, self.sampler.cursor)
+        key = (self.sampler.epoch, self.sampler.cursor, micro)
         while self.issued and self.issued[0][0] < key:
             self.issued.popleft()
-        wanted = s._my_shard()
+        wanted = s._share(micro)
         if self.issued and self.issued[0][0] == key and self.issued[0][1] == wanted:
             return batch
         return s.batch_to_device(self.collate_fn([self.dataset[i] for i in wanted]))
+
+
+def _micro_batches(sampler: ElasticSampler, size: int, limit: Optional[int] = None):
+    """(position, indices) of the epoch's global micro-batches from the cursor on, as a DataLoader with this
+    batch_size and drop_last would cut them; at most `limit` of them."""
+    order, n = sampler._epoch_order(), sampler.num_samples
+    pos, count = sampler.cursor, 0
+    while pos < n and not (sampler.drop_last and n - pos < size) and (limit is None or count < limit):
+        yield pos, order[pos : pos + size].tolist()
+        pos += size
+        count += 1
 
 
 class _ElasticDataLoader(DataLoader):

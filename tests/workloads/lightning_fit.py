@@ -5,10 +5,15 @@ replica's loss adds the mean of `seen[epoch, idx]` over its share, the strategy 
 fraction of the global batch, and SGD with lr equal to the global batch then subtracts exactly 1 for every
 time a sample took part in a committed step. `-seen` in the final weights is therefore the per-epoch count of
 committed sightings of each sample. Momentum on the regressor and a step-wise LR schedule make the heal of
-optimizer and scheduler state matter.
+optimizer and scheduler state matter. With `--accumulate A` the seen counter's learning rate is the samples of
+a whole step (A global micro-batches), so it still counts exactly 1 per committed sighting; `--clip` clips by
+value at a threshold above the counter's per-sample gradient, so only the regressor's gradients are clipped.
+With `--val-samples`, every finished validation appends "<global_step> <val_loss>" to DIR/val-<replica>
+(DIR/val-single without Monarch), so a test can see where each replica validated and on what weights.
 
 Writes DIR/result.json (controller's view: checksum, per-replica checksums, global_step, counts) and
-DIR/weights.pt; each replica writes DIR/progress-<replica> after every step so a test knows when to kill it.
+DIR/weights.pt; each replica writes DIR/progress-<replica> (its global_step) after every batch so a test knows
+when to kill it; `--slow-replica R` makes replica R the straggler its peers wait for inside the reduction.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from monarch_plugin.integrations.lightning.strategy import weights_checksum
 
 
 class Regression(Dataset):
-    def __init__(self, n: int, dim: int):
-        g = torch.Generator().manual_seed(0)
+    """Noisy linear data; `split` draws other samples of the same linear map (0: training, 1: validation)."""
+
+    def __init__(self, n: int, dim: int, split: int = 0):
+        w = torch.randn(dim, 1, generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(1 + split)
         self.x = torch.randn(n, dim, generator=g)
-        w = torch.randn(dim, 1, generator=g)
         self.y = self.x @ w + 0.1 * torch.randn(n, 1, generator=g)
 
     def __len__(self) -> int:
@@ -53,8 +60,10 @@ def constant(step: int) -> float:
 
 
 class Model(pl.LightningModule):
-    def __init__(self, samples: int, epochs: int, dim: int, global_batch: int, step_sleep: float, out: str):
+    def __init__(self, samples: int, epochs: int, dim: int, global_batch: int, step_sleep: float, out: str,
+                 slow_replica: int = -1):
         super().__init__()
+        self.slow_replica = slow_replica
         self.net = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 1))
         self.seen = nn.Parameter(torch.zeros(epochs, samples))
         self.global_batch = global_batch
@@ -65,7 +74,9 @@ class Model(pl.LightningModule):
         idx, x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.step_sleep:
-            time.sleep(self.step_sleep)
+            ctx = worker_context()
+            slow = ctx is not None and ctx.replica_id == self.slow_replica
+            time.sleep(self.step_sleep * (5 if slow else 1))
         self.log("train_loss", loss)
         return loss + self.seen[self.current_epoch, idx].mean()
 
@@ -74,6 +85,30 @@ class Model(pl.LightningModule):
         if ctx is not None:
             with open(os.path.join(self.out, f"progress-{ctx.replica_id}"), "w") as f:
                 f.write(str(self.trainer.global_step))
+
+    def on_train_end(self):
+        ctx = worker_context()
+        if ctx is not None:  # the step Lightning's loggers use, which a replica that becomes rank 0 logs at
+            with open(os.path.join(self.out, f"logger-step-{ctx.replica_id}"), "w") as f:
+                f.write(str(self.trainer.fit_loop.epoch_loop._batches_that_stepped))
+
+    def on_validation_epoch_start(self):
+        self.val_sum, self.val_count = 0.0, 0
+
+    def validation_step(self, batch, batch_idx):
+        _, x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y, reduction="sum")
+        self.val_sum += float(loss)
+        self.val_count += len(x)
+        self.log("val_loss", loss / len(x))
+
+    def on_validation_epoch_end(self):
+        if self.trainer.sanity_checking:
+            return
+        ctx = worker_context()
+        name = f"val-{ctx.replica_id}" if ctx is not None else "val-single"
+        with open(os.path.join(self.out, name), "a") as f:
+            f.write(f"{self.trainer.global_step} {self.val_sum / self.val_count!r}\n")
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD([
@@ -99,7 +134,14 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--batch", type=int, default=8, help="per-replica batch size (global = batch x devices)")
     p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-steps", type=int, default=-1)
+    p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...), by value")
+    p.add_argument("--val-samples", type=int, default=0, help="validate on this many samples (0: no validation)")
+    p.add_argument("--val-interval", type=int, default=None, help="Trainer(val_check_interval=...) in batches")
+    p.add_argument("--val-every-n-epoch", type=int, default=1, help="Trainer(check_val_every_n_epoch=...)")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--slow-replica", type=int, default=-1, help="this replica sleeps 5x --step-sleep per batch")
     p.add_argument("--fault", default=None)
     p.add_argument("--spares", type=int, default=0)
     p.add_argument("--events", default=None)
@@ -111,7 +153,8 @@ def main() -> None:
     pl.seed_everything(0)
     global_batch = args.batch * args.devices
     cls = Unpicklable if args.unpicklable else Model
-    model = cls(args.samples, args.epochs, args.dim, global_batch, args.step_sleep, args.out)
+    model = cls(args.samples, args.epochs, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
+                args.slow_replica)
     if args.strategy == "single":
         strategy, devices, batch = "auto", 1, global_batch
     elif args.strategy == "monarch-name":
@@ -122,12 +165,17 @@ def main() -> None:
                                    spares=args.spares)
         devices, batch = args.devices, args.batch
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.epochs,
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.epochs, max_steps=args.max_steps,
+        accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, gradient_clip_algorithm="value",
+        val_check_interval=args.val_interval, check_val_every_n_epoch=args.val_every_n_epoch,
         logger=CSVLogger(args.out, name="logs"), log_every_n_steps=1, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )
     loader = DataLoader(Regression(args.samples, args.dim), batch_size=batch, shuffle=False)
-    trainer.fit(model, loader, ckpt_path=args.resume)
+    val_loader = None
+    if args.val_samples:
+        val_loader = DataLoader(Regression(args.val_samples, args.dim, split=1), batch_size=16)
+    trainer.fit(model, loader, val_loader, ckpt_path=args.resume)
 
     replica_checksums = getattr(trainer.strategy, "replica_checksums", {})
     result = {

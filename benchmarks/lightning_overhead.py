@@ -1,0 +1,139 @@
+"""Step time of one LightningModule under `strategy="ddp"` and `strategy="monarch"`, side by side.
+
+    python benchmarks/lightning_overhead.py --devices 2 --steps 100 --repeats 3 --out benchmarks/results
+
+What the elastic strategy costs a failure-free Lightning run: the same module (benchmarks/workload.py's MLP),
+data, batch and optimizer, on the same CPU devices, once with Lightning's own DDP and once with
+`MonarchStrategy`. One invocation runs both sides one after the other (each as its own `python` process, as a
+user would start it: DDP's launcher re-executes that command for its other ranks, the Monarch strategy makes
+it the controller), alternating `--repeats` times, so the ratio shares one machine state. Rank 0 of each run
+appends "<global step> <unix time>" per step to its steps-<side>.txt; a run's step time is the median interval
+after a warm-up, a side's the median over its runs. Writes <out>/lightning_overhead.json and prints a markdown
+table (pasted into docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WARMUP = 10
+
+
+def _median_step(path: Path, steps: int) -> float:
+    ts = [float(line.split()[1]) for line in path.read_text().splitlines() if line]
+    if len(ts) != steps:
+        raise RuntimeError(f"{path} has {len(ts)} steps, expected {steps}")
+    ts = ts[WARMUP:]
+    return statistics.median(b - a for a, b in zip(ts, ts[1:]))
+
+
+def run_side(side: str, devices: int, steps: int, size: str, batch: int, work: Path) -> None:
+    """One training run; what each rank executes (DDP's launcher runs this same command again per rank)."""
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import monarch_plugin.integrations.lightning  # noqa: F401 - registers strategy="monarch"
+
+    sys.path.insert(0, str(HERE))
+    from workload import SIZES, build
+
+    width = SIZES[size][0]
+
+    class StepClock(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if trainer.is_global_zero:
+                with open(work / f"steps-{side}.txt", "a") as f:
+                    f.write(f"{trainer.global_step} {time.time()}\n")
+
+    class MLP(pl.LightningModule):
+        """Takes the built net, so the pickled module (sent to Monarch replicas) needs no `workload` import."""
+
+        def __init__(self, net: nn.Module):
+            super().__init__()
+            self.net = net
+
+        def setup(self, stage):
+            torch.set_num_threads(1)  # in every rank's own process, on both sides: one core per device
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+    pl.seed_everything(0)
+    x = torch.randn(batch * devices * (steps + 1), width)
+    loader = DataLoader(TensorDataset(x, x.flip(-1)), batch_size=batch)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=side, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[StepClock()])
+    trainer.fit(MLP(build(size)), loader)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--size", choices=("10m", "100m"), default="10m")
+    p.add_argument("--batch", type=int, default=16, help="per device, as Lightning's DataLoader batch_size")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each side, alternating")
+    p.add_argument("--side", choices=("ddp", "monarch"), help="run one side only (the driver uses this)")
+    p.add_argument("--work", default="/tmp/monarch_plugin_lightning_bench")
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args()
+    work = Path(args.work)
+    if args.side:
+        run_side(args.side, args.devices, args.steps, args.size, args.batch, work)
+        return
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    results = {"devices": args.devices, "steps": args.steps, "size": args.size, "batch_per_device": args.batch,
+               "repeats": args.repeats, "ddp": {"step_s": [], "wall_s": []}, "monarch": {"step_s": [], "wall_s": []}}
+    for repeat in range(args.repeats):  # alternating, so a slow spell of the machine hits both sides
+        for side in ("ddp", "monarch"):
+            run = work / f"{side}-{repeat}"
+            run.mkdir()
+            t0 = time.monotonic()
+            subprocess.run([sys.executable, __file__, "--side", side, "--devices", str(args.devices), "--steps",
+                            str(args.steps), "--size", args.size, "--batch", str(args.batch), "--work", str(run)],
+                           check=True, cwd=run)
+            results[side]["wall_s"].append(time.monotonic() - t0)
+            results[side]["step_s"].append(_median_step(run / f"steps-{side}.txt", args.steps))
+            print(json.dumps({side: {k: v[-1] for k, v in results[side].items()}}), flush=True)
+    for side in ("ddp", "monarch"):
+        results[side]["median_step_s"] = statistics.median(results[side]["step_s"])
+    results["ratio"] = results["monarch"]["median_step_s"] / results["ddp"]["median_step_s"]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "lightning_overhead.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+
+
+def table(r: dict) -> str:
+    def row(side: str) -> str:
+        each = ", ".join(f"{x * 1000:.0f}" for x in r[side]["step_s"])
+        walls = ", ".join(f"{x:.1f}" for x in r[side]["wall_s"])
+        return f"| `strategy=\"{side}\"` | {r[side]['median_step_s'] * 1000:.0f} ms | {each} | {walls} |"
+
+    return "\n".join([
+        f"| {r['size']} MLP, {r['devices']} CPU devices, batch {r['batch_per_device']}/device, {r['steps']} steps "
+        "| median step | per run (ms) | whole `python train.py` per run (s) |",
+        "|---|---|---|---|",
+        row("ddp"),
+        row("monarch"),
+        f"| ratio monarch / ddp | {r['ratio']:.2f} | | |",
+    ])
+
+
+if __name__ == "__main__":
+    main()
