@@ -20,7 +20,7 @@ def main(src: str, dst: str) -> None:
     for ax, (size, r) in zip(axes[0], results.items()):
         for label, run, color in (
             ("monarch-run (cold replacement)", r["elastic"], "tab:blue"),
-            ("monarch-run --spares 1", r["warm"], "tab:green"),
+            ("monarch-run --spares 1 (hot spare)", r["warm"], "tab:green"),
         ):
             steps, t = zip(*run["series"]["survivor"])
             ax.plot(t, steps, color=color, label=label, drawstyle="steps-post")

@@ -86,7 +86,8 @@ class ReplicaSession:
     def _next_plan(self) -> dict:
         store = self.ctx.store
         rid = self.ctx.replica_id
-        deadline = time.monotonic() + self.ctx.config.join_timeout_s
+        started = time.monotonic()
+        deadline = started + self.ctx.config.join_timeout_s
         seen = self.gen
         while True:
             if self.flags.stop:
@@ -104,7 +105,9 @@ class ReplicaSession:
                     f"replica {rid} waited {self.ctx.config.join_timeout_s:.0f}s for the controller's next "
                     "generation after its own was aborted: is the controller still running?"
                 )
-            time.sleep(0.005)
+            # A survivor waits milliseconds for its next generation; a hot spare may wait for hours and
+            # should not spend the CPU the training replicas need polling for it.
+            time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
 
     def _form(self, plan: dict) -> None:
         g, members = plan["gen"], plan["members"]
