@@ -105,15 +105,20 @@ class ElasticRun:
             self.proc.wait(timeout=30)
 
 
-@pytest.fixture
-def elastic_run(tmp_path):
-    runs: list[ElasticRun] = []
+def run_factory(tmp_path: Path, cls):
+    """Yield a maker of `cls` runs, each in its own folder; clean every one up afterwards, pass or fail."""
+    runs = []
 
-    def make() -> ElasticRun:
-        run = ElasticRun(tmp_path / f"run{len(runs)}")
+    def make():
+        run = cls(tmp_path / f"run{len(runs)}")
         runs.append(run)
         return run
 
     yield make
     for run in runs:
         run.cleanup()
+
+
+@pytest.fixture
+def elastic_run(tmp_path):
+    yield from run_factory(tmp_path, ElasticRun)

@@ -26,7 +26,7 @@ from lightning.pytorch.accelerators import Accelerator  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from conftest import ElasticRun, alive  # noqa: E402
+from conftest import ElasticRun, alive, run_factory  # noqa: E402
 from monarch_plugin.integrations.lightning import MonarchStrategy  # noqa: E402
 
 WORKLOAD = Path(__file__).parent / "workloads" / "lightning_fit.py"
@@ -54,16 +54,7 @@ class LightningRun(ElasticRun):
 
 @pytest.fixture
 def lightning_run(tmp_path):
-    runs: list[LightningRun] = []
-
-    def make() -> LightningRun:
-        run = LightningRun(tmp_path / f"run{len(runs)}")
-        runs.append(run)
-        return run
-
-    yield make
-    for run in runs:
-        run.cleanup()
+    yield from run_factory(tmp_path, LightningRun)
 
 
 def _every_sample_once_per_epoch(result: dict) -> None:

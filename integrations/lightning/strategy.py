@@ -339,6 +339,7 @@ class MonarchStrategy(ParallelStrategy):
         if self._window_gen is None:
             self._start_window()  # a one-micro-batch window: the closure below is its only micro-batch
         start, last = self._step, self._micro
+        loss = None  # stays None only if a heal handed us this step before our closure ran
         while True:
             self._sync_generation()
             if self._step > start:
