@@ -49,7 +49,10 @@ class ElasticRun:
         return self
 
     def wait(self, timeout: float) -> int:
-        rc = self.proc.wait(timeout=timeout)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run still going after {timeout}s:\n{self._tail()}") from None
         self.log.close()
         self.output = (self.tmp / "run.log").read_text()
         return rc

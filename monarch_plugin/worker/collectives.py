@@ -43,8 +43,12 @@ class CollectiveTimedOut(CollectiveInterrupted):
     """No completion within collective_timeout_s: some peer stopped making progress."""
 
 
-def wait_all(works: list, flags: Flags, gen: int, timeout_s: float) -> None:
-    """Block until every work completes, the generation is superseded, or the timeout passes."""
+def wait_all(works: list, flags: Flags, gen: int, timeout_s: float, interruptible: bool = True) -> None:
+    """Block until every work completes, the generation is superseded, or the timeout passes.
+
+    `interruptible=False` ignores a superseded generation (only a stop ends the wait early): for votes
+    whose outcome every participant must learn, where walking away would let them decide differently.
+    """
     done = threading.Event()
     state = {"left": len(works), "error": None}
     lock = threading.Lock()
@@ -65,7 +69,7 @@ def wait_all(works: list, flags: Flags, gen: int, timeout_s: float) -> None:
             work.get_future().add_done_callback(on_done)
         deadline = time.monotonic() + timeout_s
         while True:
-            if flags.abort_gen > gen or flags.stop:
+            if (interruptible and flags.abort_gen > gen) or flags.stop:
                 raise GenerationChanged(f"generation {gen} superseded by {flags.abort_gen}")
             if done.is_set():
                 with lock:

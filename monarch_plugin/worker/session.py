@@ -193,11 +193,15 @@ class ReplicaSession:
 
     def _agree_in_replica(self, failed: bool, grow: bool) -> tuple[bool, bool]:
         """The procs of one replica (its FSDP shards) must commit or drop a step together, and move to a
-        new generation together; their cross-replica groups can disagree when a peer dies mid-step."""
+        new generation together; their cross-replica groups can disagree when a peer dies mid-step.
+
+        The vote is not interruptible by an abort: a proc that walked away from it while its sibling
+        read the result would drop a step the sibling commits, and the two would part ways for good.
+        Siblings die together (the controller kills the rest of a replica), so the vote cannot hang."""
         if self.intra is None:
             return failed, grow
         vote = torch.tensor([float(failed), float(grow)])
-        wait_all([self.intra.allreduce([vote])], self.flags, self.gen, self.timeout_s)
+        wait_all([self.intra.allreduce([vote])], self.flags, self.gen, self.timeout_s, interruptible=False)
         return bool(vote[0] > 0), bool(vote[1] > 0)
 
     def finish(self) -> bool:
