@@ -5,6 +5,8 @@ The donor serves its state from the training thread itself, at a step boundary, 
 that an optimizer step or an FSDP forward is mutating (torchtitan's torchft path crashed the donor that way).
 The state is split into a pickled skeleton and its tensors; the skeleton goes first so receivers can
 allocate, then one broadcast per tensor (measured fastest here: one flat buffer was 5-10x slower).
+A sharded tensor (FSDP's DTensor) travels as its local shard, from the donor proc holding the same shard;
+the receiver rebuilds it on its own device mesh, which the provider names (`device_mesh`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ import torch
 
 from monarch_plugin.worker.collectives import wait_all
 from monarch_plugin.worker.context import Flags
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed tensors holds no sharded state
+    DTensor = ()
 
 __all__ = ["StateProvider", "HealPlan", "plan_heal", "transfer_state"]
 
@@ -34,6 +41,15 @@ class _TensorSlot:
     index: int
     shape: tuple
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _ShardSlot(_TensorSlot):
+    """A DTensor's local shard (`shape` is the shard's), and what rebuilds the DTensor around it."""
+
+    placements: tuple
+    global_shape: tuple
+    stride: tuple
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,11 @@ def plan_heal(steps: list[int], fresh: list[bool]) -> HealPlan | None:
 
 
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        tensors.append(local)
+        return _ShardSlot(len(tensors) - 1, tuple(local.shape), local.dtype, tuple(obj.placements),
+                          tuple(obj.shape), tuple(obj.stride()))
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
@@ -72,13 +93,18 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+def _join(obj: Any, tensors: list[torch.Tensor], mesh: Any) -> Any:
+    if isinstance(obj, _ShardSlot):
+        if mesh is None:
+            raise RuntimeError("the donor sent sharded state, but this replica's provider names no device_mesh")
+        return DTensor.from_local(tensors[obj.index], mesh, obj.placements, run_check=False,
+                                  shape=torch.Size(obj.global_shape), stride=obj.stride)
     if isinstance(obj, _TensorSlot):
         return tensors[obj.index]
     if isinstance(obj, dict):
-        return type(obj)((k, _join(v, tensors)) for k, v in obj.items())
+        return type(obj)((k, _join(v, tensors, mesh)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_join(v, tensors) for v in obj)
+        return type(obj)(_join(v, tensors, mesh) for v in obj)
     return obj
 
 
@@ -117,12 +143,12 @@ def transfer_state(
         _collect_slots(skeleton_obj, slots)
         slots.sort(key=lambda s: s.index)
         payload = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
-    works = [pg.broadcast(t, 0) for t in payload]
+    works = [pg.broadcast(t, 0) for t in payload if t.numel()]  # uneven shards can be empty
     wait_all(works, flags, gen, timeout_s)
     moved = sum(t.numel() * t.element_size() for t in payload) + int(size.item())
     if rank == 0:
         return None, moved
-    return _join(skeleton_obj, payload), moved
+    return _join(skeleton_obj, payload, getattr(provider, "device_mesh", None)), moved
 
 
 def _collect_slots(obj: Any, out: list[_TensorSlot]) -> None:

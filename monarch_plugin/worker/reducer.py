@@ -8,6 +8,9 @@ so communication runs under the rest of backward. The last bucket carries one ex
 control word that tells every member, consistently, that a grow is waiting; caller metrics (summed across
 replicas) follow in a small float64 reduction only when there are any. Either every reduction completes and the gradients are
 written back, or the step raises `CollectiveInterrupted` and nothing is written back.
+
+Sharded parameters (FSDP's DTensors) are reduced by their local shard: each proc of a replica exchanges
+its shard with the procs holding the same shard in the other replicas.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ import torch
 
 from monarch_plugin.worker.collectives import CollectiveInterrupted, wait_all
 from monarch_plugin.worker.context import Flags
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch built without distributed tensors holds no sharded parameters
+    DTensor = ()
 
 __all__ = ["GradientReducer"]
 
@@ -41,7 +49,7 @@ class GradientReducer:
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(self.params):
-            nbytes = p.numel() * p.element_size()
+            nbytes = _local(p).numel() * p.element_size()
             if current and (size + nbytes > BUCKET_BYTES or p.dtype != current[0].dtype):
                 self.buckets.append(current)
                 current, size = [], 0
@@ -53,7 +61,8 @@ class GradientReducer:
         # Reused every step: fresh 25 MB buffers would page-fault their way in on every step. The last
         # bucket reduced carries one extra element, the control word, so a step needs no extra collective.
         self._buffers = [
-            torch.empty(sum(p.numel() for p in b) + (i == len(self.buckets) - 1), dtype=b[0].dtype, device=device)
+            torch.empty(sum(_local(p).numel() for p in b) + (i == len(self.buckets) - 1), dtype=b[0].dtype,
+                        device=device)
             for i, b in enumerate(self.buckets)
         ]
         self._pg = None
@@ -105,6 +114,12 @@ class GradientReducer:
         if self._pending[i] == 0:
             self._launch(i)
 
+    def backward_done(self) -> None:
+        """Reduce now, for gradients that are assigned rather than accumulated (FSDP assigns its sharded
+        gradients after its own reduce-scatter, so no autograd hook fires): call it when backward returned."""
+        if self._pg is not None and self._synced and not self._reduced:
+            self._finish_backward()
+
     def _finish_backward(self) -> None:
         if self._misuse or self._pg is None:
             return
@@ -115,7 +130,7 @@ class GradientReducer:
 
     def _launch(self, i: int) -> None:
         parts = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device)
+            _local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device)
             for p in self.buckets[i]
         ]
         flat = self._buffers[i]
@@ -137,12 +152,12 @@ class GradientReducer:
         for i, bucket in enumerate(self.buckets):
             flat, offset = self._flats[i], 0
             for p in bucket:
-                n = p.numel()
-                chunk = flat[offset : offset + n].view_as(p)
+                local = _local(p)
+                n = local.numel()
                 if p.grad is None:
-                    p.grad = chunk.to(p.device).clone()
-                else:
-                    p.grad.copy_(chunk)
+                    p.grad = torch.zeros_like(p)
+                with torch.no_grad():
+                    _local(p.grad).copy_(flat[offset : offset + n].view_as(local))
                 offset += n
         self._reduced = True
         self._flags.set_phase("compute")
@@ -183,3 +198,8 @@ class GradientReducer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(weight)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This proc's part of a tensor: its shard for a DTensor, the tensor itself otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
