@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException  # 
 from torch.utils.data import DataLoader  # noqa: E402
 
 from conftest import ElasticRun, alive, run_factory  # noqa: E402
-from monarch_plugin.integrations.lightning import MonarchStrategy  # noqa: E402
+from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy  # noqa: E402
 
 WORKLOAD = Path(__file__).parent / "workloads" / "lightning_fit.py"
 sys.path.insert(0, str(WORKLOAD.parent))
@@ -94,6 +94,37 @@ def test_sigkill_mid_epoch_fit_survives_with_exact_steps_and_data(lightning_run)
     assert {3.0, 2.0} <= set(run.logged("elastic/replicas"))
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_replica_loses_one_proc_and_is_replaced_whole(lightning_run):
+    # 2 replicas x 2 FSDP procs. 102 samples in global batches of 16: the epoch's last batch of 6 splits 3+3
+    # over two replicas and then 2+1 over a replica's procs, so uneven shares are weighted right too.
+    common = ("--devices", "4", "--batch", "4", "--samples", "102", "--epochs", "10")
+    run = lightning_run().start("--fsdp", "2", "--min-replicas", "1", "--step-sleep", "0.15", *common)
+    single = lightning_run().start("--strategy", "single", *common)
+    run.wait_for(lambda: run.progress(1) >= 5, timeout=150, what="replica 1 to reach step 5")
+    pids = run.pids()
+    assert len(pids[1]) == 2
+    os.kill(pids[1][1], signal.SIGKILL)  # one shard-holder of replica 1: the whole replica must go
+
+    assert run.wait(timeout=180) == 0, run.output
+    assert single.wait(timeout=60) == 0, single.output
+    result = run.result()
+    assert result["global_step"] == single.result()["global_step"] == 10 * 7
+    assert {"0", "2"} == set(result["replica_checksums"]), run.output
+    assert set(result["replica_checksums"].values()) == {result["checksum"]}
+    # The dropped step was redone on the same global batch: the weights are those of one process, the sample
+    # counter `seen` included (it counts 16/6 per sighting in the epoch's short last batch, in both runs).
+    mine, reference = torch.load(run.out / "weights.pt"), torch.load(single.out / "weights.pt")
+    for name, tensor in reference.items():
+        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1], [0], [0, 2]]
+    assert [d["replica"] for d in run.events("death")] == [1]
+    heals = [h for h in run.events("heal") if 2 in h["recipients"]]
+    assert len(heals) == 2 and {h["source"] for h in heals} == {"replica0.0", "replica0.1"}  # shard by shard
+    assert not any(alive(pid) for pid in pids[1])
 
 
 def _validations(run: LightningRun, name: str) -> list[tuple[int, float]]:
@@ -217,13 +248,16 @@ def test_failure_free_fit_matches_single_process_with_same_global_batch(lightnin
 
 
 @pytest.mark.timeout(240)
-def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightning_run):
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightning_run, layout):
     # Two micro-batches a step: the survivor writes the checkpoint with the window's first micro-batch run (a
     # death is noticed mid-window), so the checkpoint must hold Lightning's progress as of the window's start.
+    # Global batch 16 either way; an FSDP run's checkpoint holds full tensors, so plain replicas resume it.
     common = ("--devices", "2", "--epochs", "2", "--samples", "192", "--batch", "8", "--accumulate", "2")
+    layout_args = ("--fsdp", "2", "--devices", "4", "--batch", "4") if layout == "fsdp" else ()
     # Replica 0 (rank 0, the one that logs and checkpoints) dies: its successor must write the checkpoint.
     stopped = lightning_run().start("--min-replicas", "2", "--fault", "sigkill:replica=0:step=8",
-                                    "--step-sleep", "0.05", *common)
+                                    "--step-sleep", "0.05", *common, *layout_args)
     single = lightning_run().start("--strategy", "single", *common)
     assert stopped.wait(timeout=150) == 1
     assert "below min_replicas=2" in stopped.output
@@ -286,9 +320,16 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
         trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=3, strategy="monarch", logger=False)
         assert isinstance(trainer.strategy, pytorch_lightning.strategies.ParallelStrategy)
         assert type(trainer.strategy).__name__ == "MonarchStrategy" and trainer.strategy.replicas == 3
+        trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=4, strategy="monarch_fsdp", logger=False)
+        assert type(trainer.strategy).__name__ == "MonarchFSDPStrategy" and trainer.strategy.replicas == 2
 
     with pytest.raises(MisconfigurationException, match=r"raise `devices` or lower `min_replicas`"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(min_replicas=3), logger=False)
+
+    trainer = pl.Trainer(accelerator="cpu", devices=6, strategy="monarch_fsdp", logger=False)
+    assert isinstance(trainer.strategy, MonarchFSDPStrategy) and trainer.strategy.elastic_config().replicas == 3
+    with pytest.raises(MisconfigurationException, match=r"make devices a multiple of procs_per_replica"):
+        pl.Trainer(accelerator="cpu", devices=5, strategy=MonarchFSDPStrategy(procs_per_replica=2), logger=False)
 
     with pytest.raises(MisconfigurationException, match=r"Trainer\(accelerator='cpu'"):
         pl.Trainer(accelerator=_NotCPU(), devices=2, strategy=MonarchStrategy(), logger=False)

@@ -1,9 +1,9 @@
-"""`MonarchStrategy` for the standalone `pytorch_lightning` package.
+"""`MonarchStrategy` and `MonarchFSDPStrategy` for the standalone `pytorch_lightning` package.
 
 `pytorch_lightning` ships its own copies of every Lightning class and its own StrategyRegistry, so a strategy
 built on `lightning.pytorch` fails its Trainer's type checks. Rather than keep two copies of the glue, this
-module compiles `launcher.py` and `strategy.py` with the package names swapped into its own namespace; the
-classes live here, so replicas unpickle them by reference like any other class.
+module compiles `launcher.py`, `strategy.py` and `fsdp.py` with the package names swapped into its own
+namespace; the classes live here, so replicas unpickle them by reference like any other class.
 """
 
 from pathlib import Path
@@ -13,6 +13,7 @@ _SWAPS = (
     ("lightning.pytorch", "pytorch_lightning"),
     ("lightning.fabric", "lightning_fabric"),
     ("monarch_plugin.integrations.lightning.launcher", __name__),
+    ("monarch_plugin.integrations.lightning.strategy", __name__),
 )
 
 
@@ -26,5 +27,6 @@ def _compile_into_this_module(filename: str) -> None:
 _doc = __doc__
 _compile_into_this_module("launcher.py")
 _compile_into_this_module("strategy.py")
+_compile_into_this_module("fsdp.py")
 __doc__ = _doc
-__all__ = ["MonarchStrategy"]
+__all__ = ["MonarchFSDPStrategy", "MonarchStrategy"]

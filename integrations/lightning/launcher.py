@@ -10,6 +10,7 @@ under `ElasticController`, so one dying costs the others a step, not the run. No
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import Any, Callable
 
@@ -113,16 +114,31 @@ class _FitInReplica:
         rank = strategy._session.rank
         buffer = io.BytesIO()
         torch.save(move_data_to_device(dict(trainer.callback_metrics), "cpu"), buffer)
-        weights = trainer.lightning_module.state_dict()
+        weights = move_data_to_device(strategy.full_state_dict(), "cpu")  # on every proc: FSDP gathers
+        if strategy.global_rank != 0:
+            return None  # the replica's first proc speaks for it
         return {
             "replica": _context.current().replica_id,
             "rank": rank,
-            "checksum": strategy.checksum(),
+            "checksum": state_checksum(weights),
             "global_step": trainer.global_step,
-            "weights": move_data_to_device(weights, "cpu") if rank == 0 else None,
+            "weights": weights if rank == 0 else None,
             "trainer_state": trainer.state,
             "fit_loop": trainer.fit_loop.state_dict(),
             "callback_metrics": buffer.getvalue(),
             "best_model_path": getattr(trainer.checkpoint_callback, "best_model_path", None),
             "results": results,
         }
+
+
+def weights_checksum(module: torch.nn.Module) -> str:
+    """A short digest of a module's weights, to show that every replica ends bitwise identical."""
+    return state_checksum(module.state_dict())
+
+
+def state_checksum(state: dict) -> str:
+    h = hashlib.sha256()
+    for name, t in sorted(state.items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

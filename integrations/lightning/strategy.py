@@ -22,7 +22,6 @@ that crosses replicas goes through the runtime's `ReplicaSession`:
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from collections import deque
 from typing import Any, Callable, Optional
@@ -72,6 +71,7 @@ class MonarchStrategy(ParallelStrategy):
     """
 
     strategy_name = "monarch"
+    procs_per_replica = 1
 
     def __init__(
         self,
@@ -122,8 +122,8 @@ class MonarchStrategy(ParallelStrategy):
 
     @property
     def replicas(self) -> int:
-        """Replicas spawned at start: Lightning's ``devices`` (one proc per replica)."""
-        return len(self.parallel_devices or []) * self.num_nodes
+        """Replicas spawned at start: Lightning's ``devices``, ``procs_per_replica`` devices to a replica."""
+        return len(self.parallel_devices or []) * self.num_nodes // self.procs_per_replica
 
     def elastic_config(self) -> ElasticConfig:
         """The runtime configuration these knobs mean; raises naming the Lightning argument to change."""
@@ -138,6 +138,7 @@ class MonarchStrategy(ParallelStrategy):
                 intra_backend=self.backend, cross_backend=self.backend, join_timeout_s=self.join_timeout_s,
                 collective_timeout_s=self.collective_timeout_s, fault=self.fault, events_path=self.events_path,
                 checkpoint_dir=self.checkpoint_dir, max_restarts=self.max_restarts, spares=self.spares,
+                procs_per_replica=self.procs_per_replica,
             )
         except ConfigError as e:
             raise MisconfigurationException(f"MonarchStrategy: {e}") from e
@@ -216,8 +217,11 @@ class MonarchStrategy(ParallelStrategy):
                 f"{len(self.optimizers)}: put all parameter groups into one optimizer"
             )
         self._accumulate = trainer.accumulate_grad_batches
-        self._reducer = GradientReducer(list(module.parameters()), self._session.device)
+        self._reducer = self._make_reducer(list(module.parameters()))
         self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
+
+    def _make_reducer(self, params: list[torch.nn.Parameter]) -> GradientReducer:
+        return GradientReducer(params, self._session.device)
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -256,15 +260,17 @@ class MonarchStrategy(ParallelStrategy):
                 "a batch_size (per replica, as with DDP) instead of a batch_sampler"
             )
         config = self._session.ctx.config
-        self._global_batch = dataloader.batch_size * config.replicas
+        k = config.procs_per_replica
+        self._global_batch = dataloader.batch_size * config.replicas * k
         n = len(dataloader.dataset)
         tail = n % self._global_batch
-        short_tail = tail and not dataloader.drop_last and tail < config.max_replicas
-        if self._global_batch < config.max_replicas or short_tail:
+        procs = config.max_replicas * k
+        short_tail = tail and not dataloader.drop_last and tail < procs
+        if self._global_batch < procs or short_tail:
             raise MisconfigurationException(
-                f"a global batch of {self._global_batch} (batch_size {dataloader.batch_size} x {config.replicas} "
-                f"replicas) over {n} samples leaves some of up to {config.max_replicas} replicas without a sample "
-                "in a step: raise batch_size, or pass drop_last=True to the training DataLoader"
+                f"a global batch of {self._global_batch} (batch_size {dataloader.batch_size} x "
+                f"{config.replicas * k} devices) over {n} samples leaves some of up to {procs} devices without a "
+                "sample in a step: raise batch_size, or pass drop_last=True to the training DataLoader"
             )
         if self._sampler is None or self._sampler.num_samples != n:
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -286,15 +292,23 @@ class MonarchStrategy(ParallelStrategy):
         """The global micro-batches of the step at the cursor, cut from the epoch as Lightning cuts batches."""
         return [batch for _, batch in _micro_batches(self._sampler, self._global_batch, self._accumulate)]
 
-    def _share(self, micro: int) -> list[int]:
-        batch = self._window()[micro]
+    def _replica_share(self, batch: list[int]) -> list[int]:
         start, end = shard_bounds(len(batch), self._session.rank, self._session.world)
         return batch[start:end]
+
+    def _cut(self, batch: list[int]) -> list[int]:
+        """This proc's samples of a global micro-batch: its replica's share, split over the replica's procs."""
+        share = self._replica_share(batch)
+        start, end = shard_bounds(len(share), self._session.ctx.local_rank, self._session.ctx.procs_per_replica)
+        return share[start:end]
+
+    def _share(self, micro: int) -> list[int]:
+        return self._cut(self._window()[micro])
 
     def _weight(self) -> float:
         """This replica's fraction of the step's samples, so the sum over replicas is the global-batch mean."""
         window = self._window()
-        mine = sum(len(self._share(i)) for i in range(len(window)))
+        mine = sum(len(self._replica_share(batch)) for batch in window)
         return mine / sum(len(batch) for batch in window)
 
     # -- the step transaction ------------------------------------------------------------------------------
@@ -303,11 +317,26 @@ class MonarchStrategy(ParallelStrategy):
         self._fit_loop_started = True
         super().on_train_start()
 
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """With several procs to a replica, each proc's loss is the mean over its own samples and the replica
+        averages its procs' gradients; weight each loss by its share so uneven splits still average right."""
+        if self._session is not None and self._sampler is not None and self._session.ctx.procs_per_replica > 1:
+            micro = self._micro - 1  # training_step has moved on to the next micro-batch
+            replica_share = self._replica_share(self._window()[micro])
+            closure_loss = closure_loss * (
+                self._session.ctx.procs_per_replica * len(self._share(micro)) / len(replica_share)
+            )
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def block_backward_sync(self):
         """Lightning's accumulation micro-batches: their backward accumulates locally, as under DDP's no_sync."""
         return self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return super().training_step(*self._elastic_batch(args), **kwargs)
+
+    def _elastic_batch(self, args: tuple) -> tuple:
+        """The step's arguments with this proc's share of the live group's micro-batch swapped in."""
         if self._session is not None and self._sampler is not None and args:
             if self._window_gen is None:
                 self._start_window()
@@ -315,7 +344,7 @@ class MonarchStrategy(ParallelStrategy):
             self._micro += 1
             self.lightning_module.log("elastic/replicas", float(self._session.world), prog_bar=True,
                                       on_step=True, on_epoch=False, batch_size=1)
-        return super().training_step(*args, **kwargs)
+        return args
 
     def _start_window(self) -> None:
         """A step boundary: enter a waiting generation (so a newcomer heals here) before any micro-batch runs."""
@@ -406,14 +435,15 @@ class MonarchStrategy(ParallelStrategy):
             raise StopReplica("the controller gave up; checkpoint written")
 
     def _write_give_up_checkpoint(self) -> None:
-        if not self.is_global_zero:
-            return
+        if self._elastic_rank() != 0:
+            return  # every proc of the writing replica takes part (FSDP gathers); its first one writes
         ctx = self._session.ctx
         os.makedirs(ctx.config.checkpoint_dir, exist_ok=True)
         path = os.path.abspath(os.path.join(ctx.config.checkpoint_dir, f"step{self._step:08d}.ckpt"))
         with self._progress_at_window_start():
             self.lightning_module.trainer.save_checkpoint(path)
-        ctx.events.emit("checkpoint", replica=ctx.replica_id, step=self._step, path=path)
+        if self.is_global_zero:
+            ctx.events.emit("checkpoint", replica=ctx.replica_id, step=self._step, path=path)
 
     @contextlib.contextmanager
     def _progress_at_window_start(self):
@@ -449,17 +479,9 @@ class MonarchStrategy(ParallelStrategy):
         with self._progress_at_window_start():
             return self.lightning_module.trainer.fit_loop.state_dict()
 
-    def checksum(self) -> str:
-        return weights_checksum(self.lightning_module)
-
-
-def weights_checksum(module: torch.nn.Module) -> str:
-    """A short digest of a module's weights, to show that every replica ends bitwise identical."""
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+    def full_state_dict(self) -> dict:
+        """The trained weights as plain tensors, what `fit` hands back to the controller's module."""
+        return self.lightning_module.state_dict()
 
 
 class _HealState:
@@ -475,6 +497,11 @@ class _HealState:
 
     def __init__(self, strategy: MonarchStrategy):
         self.strategy = strategy
+
+    @property
+    def device_mesh(self):
+        """Where received shards live (FSDP); None for an unsharded model."""
+        return getattr(self.strategy, "device_mesh", None)
 
     def state_dict(self) -> dict:
         s = self.strategy
@@ -543,10 +570,9 @@ class _ElasticBatchSampler:
         for k, (pos, batch) in enumerate(_micro_batches(sampler, strategy._global_batch)):
             micro = k % strategy._accumulate
             window_start = pos - micro * strategy._global_batch
-            session = strategy._session
-            start, end = shard_bounds(len(batch), session.rank, session.world)
-            self.issued.append(((epoch, window_start, micro), batch[start:end]))
-            yield batch[start:end]
+            share = strategy._cut(batch)
+            self.issued.append(((epoch, window_start, micro), share))
+            yield share
 
     def batch_for(self, batch: Any, micro: int) -> Any:
         s = self.strategy

@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from monarch_plugin import worker_context
-from monarch_plugin.integrations.lightning import MonarchStrategy
-from monarch_plugin.integrations.lightning.strategy import weights_checksum
+from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy
+from monarch_plugin.integrations.lightning.launcher import weights_checksum
 
 
 class Regression(Dataset):
@@ -103,9 +103,9 @@ class Model(pl.LightningModule):
         self.log("val_loss", loss / len(x))
 
     def on_validation_epoch_end(self):
-        if self.trainer.sanity_checking:
-            return
         ctx = worker_context()
+        if self.trainer.sanity_checking or (ctx is not None and ctx.local_rank):
+            return
         name = f"val-{ctx.replica_id}" if ctx is not None else "val-single"
         with open(os.path.join(self.out, name), "a") as f:
             f.write(f"{self.trainer.global_step} {self.val_sum / self.val_count!r}\n")
@@ -147,6 +147,7 @@ def main() -> None:
     p.add_argument("--events", default=None)
     p.add_argument("--unpicklable", action="store_true")
     p.add_argument("--resume", default=None, help="a checkpoint to resume from (fit's ckpt_path)")
+    p.add_argument("--fsdp", type=int, default=0, help="MonarchFSDPStrategy with this many procs per replica")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -160,9 +161,12 @@ def main() -> None:
     elif args.strategy == "monarch-name":
         strategy, devices, batch = "monarch", args.devices, args.batch
     else:
-        strategy = MonarchStrategy(min_replicas=args.min_replicas, fault=args.fault, events_path=args.events,
-                                   checkpoint_dir=os.path.join(args.out, "ckpt"), join_timeout_s=120,
-                                   spares=args.spares)
+        knobs = dict(min_replicas=args.min_replicas, fault=args.fault, events_path=args.events,
+                     checkpoint_dir=os.path.join(args.out, "ckpt"), join_timeout_s=120, spares=args.spares)
+        if args.fsdp:
+            strategy = MonarchFSDPStrategy(procs_per_replica=args.fsdp, **knobs)
+        else:
+            strategy = MonarchStrategy(**knobs)
         devices, batch = args.devices, args.batch
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.epochs, max_steps=args.max_steps,
