@@ -28,10 +28,12 @@ import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from monarch_plugin.backend import resolve_backend  # noqa: E402
+from monarch_plugin.backend import accelerator_kind, resolve_backend  # noqa: E402
 from monarch_plugin.config import ElasticConfig  # noqa: E402
+from monarch_plugin.devices import plan_gpus  # noqa: E402
 from monarch_plugin.errors import ElasticRunAborted, ReplicaCodeError  # noqa: E402
 from monarch_plugin.events import EventLog, read_events  # noqa: E402
 from monarch_plugin.target import Target  # noqa: E402
@@ -58,6 +60,7 @@ class RunResult:
 class _Replica:
     rid: int
     initial: bool
+    slot: int = 0  # which of the host's GPU sets it holds (a replacement takes the slot its predecessor freed)
     state: str = "spawning"  # spawning -> waiting -> member -> finished | dead | stopped
     mesh: Any = None
     control: Any = None
@@ -77,6 +80,8 @@ class ElasticController:
         config.validate()
         resolve_backend(config.intra_backend)
         resolve_backend(config.cross_backend)
+        self._gpus = plan_gpus(accelerator_kind(), torch.cuda.device_count(), os.environ,
+                               config.replicas + config.spares, config.procs_per_replica)
         self.config = config
         self.target = target
         self.events = EventLog(config.events_path, source="controller")
@@ -141,7 +146,9 @@ class ElasticController:
 
     def _spawn(self, initial: bool, spare: bool = False) -> None:
         rid = len(self.replicas)
-        replica = _Replica(rid=rid, initial=initial, spawned_at=time.time())
+        held = {r.slot for r in self.replicas.values() if r.state in ("spawning", "waiting", "member")}
+        slot = min(set(range(self.config.replicas + self.config.spares)) - held)
+        replica = _Replica(rid=rid, initial=initial, slot=slot, spawned_at=time.time())
         self.replicas[rid] = replica
         if not initial and not spare:
             self.restarts += 1
@@ -164,6 +171,7 @@ class ElasticController:
             "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": str(k),
             "LOCAL_WORLD_SIZE": str(k),
+            **(self._gpus.env_for_slot(replica.slot) if self._gpus else {}),
         }
         try:
             mesh = this_host().spawn_procs(per_host={"procs": k}, name=f"replica{replica.rid}")
