@@ -331,7 +331,7 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     with pytest.raises(MisconfigurationException, match=r"make devices a multiple of procs_per_replica"):
         pl.Trainer(accelerator="cpu", devices=5, strategy=MonarchFSDPStrategy(procs_per_replica=2), logger=False)
 
-    with pytest.raises(MisconfigurationException, match=r"Trainer\(accelerator='cpu'"):
+    with pytest.raises(MisconfigurationException, match=r"Trainer\(accelerator='cpu' or 'gpu'"):
         pl.Trainer(accelerator=_NotCPU(), devices=2, strategy=MonarchStrategy(), logger=False)
 
     events = tmp_path / "events.jsonl"

@@ -66,7 +66,11 @@ class _MonarchLauncher(_Launcher):
             target = Target.function(_FitInReplica(trainer, function.__name__, args, kwargs))
         except ConfigError as e:
             raise MisconfigurationException(str(e)) from e
-        result = ElasticController(config, target).run()
+        try:
+            controller = ElasticController(config, target)
+        except ConfigError as e:  # e.g. more replicas x procs than visible GPUs
+            raise MisconfigurationException(f"MonarchStrategy: {e}") from e
+        result = controller.run()
         for recovery in recoveries(read_events(result.events_path)):
             rank_zero_info(format_recovery(recovery))
         rank_zero_info(

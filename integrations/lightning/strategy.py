@@ -35,7 +35,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.sampler import ElasticSampler, shard_bounds
@@ -60,7 +61,7 @@ class MonarchStrategy(ParallelStrategy):
     Args:
         min_replicas: fewest live replicas that may keep training; below it the run stops with a checkpoint.
         max_replicas: most replicas live at once (default: ``devices``).
-        backend: cross-replica backend, "auto" (gloo on CPU) or "gloo".
+        backend: "auto" (NCCL on CUDA, RCCL on ROCm, gloo on CPU), "nccl" or "gloo"; within and across replicas.
         join_timeout_s: how long a (re)spawned replica may take to become ready.
         collective_timeout_s: a reduction slower than this is treated as a hang and its culprit replaced.
         fault: opt-in fault injection, e.g. ``"sigkill:replica=1:step=20"`` (see ``monarch_plugin.faults``).
@@ -144,10 +145,10 @@ class MonarchStrategy(ParallelStrategy):
             raise MisconfigurationException(f"MonarchStrategy: {e}") from e
 
     def _configure_launcher(self) -> None:
-        if not isinstance(self.accelerator, CPUAccelerator):
+        if not isinstance(self.accelerator, (CPUAccelerator, CUDAAccelerator)):
             raise MisconfigurationException(
-                f"MonarchStrategy runs replicas on CPU in this version, got accelerator "
-                f"{type(self.accelerator).__name__}: pass Trainer(accelerator='cpu', devices=N, strategy='monarch')"
+                f"MonarchStrategy runs replicas on CPUs or on CUDA/ROCm GPUs, got accelerator "
+                f"{type(self.accelerator).__name__}: pass Trainer(accelerator='cpu' or 'gpu', devices=N)"
             )
         if self.num_nodes != 1:
             raise MisconfigurationException(
@@ -170,6 +171,10 @@ class MonarchStrategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
+        """This proc's device. On GPUs the controller narrows each replica's visible GPUs to its own, so the
+        local rank indexes them, as under torchrun."""
+        if isinstance(self.accelerator, CUDAAccelerator):
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         return torch.device("cpu")
 
     @property
@@ -201,10 +206,14 @@ class MonarchStrategy(ParallelStrategy):
             )
         self._session = ReplicaSession(ctx, _HealState(self))
         self.cluster_environment = LightningEnvironment()  # this replica's MASTER_PORT, not the controller's
-        self.parallel_devices = [torch.device("cpu")] * ctx.procs_per_replica
+        k = ctx.procs_per_replica
+        on_gpu = self.root_device.type == "cuda"
+        self.parallel_devices = [torch.device("cuda", i) for i in range(k)] if on_gpu else [self.root_device] * k
         self.set_world_ranks()
         super().setup_environment()
-        _init_dist_connection(self.cluster_environment, "gloo")
+        # Within the replica: NCCL on GPUs (RCCL on ROCm builds), gloo on CPUs, unless `backend` says otherwise.
+        intra = resolve_backend(self.backend)
+        _init_dist_connection(self.cluster_environment, intra)
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
