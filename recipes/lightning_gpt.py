@@ -3,6 +3,7 @@
     python recipes/lightning_gpt.py                        # 3 replicas; replica 1 SIGKILLs itself at step 12
     python recipes/lightning_gpt.py --fault none           # no failure
     python recipes/lightning_gpt.py --devices 4 --fault sigkill:replica=0:step=20
+    python recipes/lightning_gpt.py --fsdp 2 --devices 4 --min-replicas 1   # 2 FSDP replicas of 2 procs
 
 No launcher: this process is the controller. The replicas drop the interrupted step, shrink, keep training,
 a replacement is spawned and healed from a live peer (weights, optimizer, LR schedule, data cursor and
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from monarch_plugin.integrations.lightning import MonarchStrategy
+from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy
 
 CORPUS = """\
 Shall I compare thee to a summer's day?
@@ -162,11 +163,12 @@ class TinyGPT(pl.LightningModule):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--devices", type=int, default=3, help="replicas")
+    p.add_argument("--devices", type=int, default=3, help="procs: replicas x --fsdp")
     p.add_argument("--min-replicas", type=int, default=2)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch", type=int, default=8, help="per-replica batch (global = batch x devices)")
     p.add_argument("--fault", default="sigkill:replica=1:step=12", help="fault to inject, or 'none'")
+    p.add_argument("--fsdp", type=int, default=0, help="shard each replica over this many procs (monarch_fsdp)")
     args = p.parse_args()
 
     pl.seed_everything(0)
@@ -180,7 +182,11 @@ def main() -> None:
     max_steps = args.epochs * (len(train) // global_batch)
     model = TinyGPT(len(chars), block=block, max_steps=max_steps)
 
-    strategy = MonarchStrategy(min_replicas=args.min_replicas, fault=None if args.fault == "none" else args.fault)
+    knobs = dict(min_replicas=args.min_replicas, fault=None if args.fault == "none" else args.fault)
+    if args.fsdp:
+        strategy = MonarchFSDPStrategy(procs_per_replica=args.fsdp, auto_wrap_policy={Block}, **knobs)
+    else:
+        strategy = MonarchStrategy(**knobs)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
                          log_every_n_steps=5, default_root_dir="lightning_gpt_runs")
     trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True, drop_last=True),
