@@ -5,7 +5,7 @@ pickled to every replica, each replica runs `Trainer._fit_impl`, and what Lightn
 afterwards (trained weights, `trainer.state`, `callback_metrics`, the loop progress behind
 `trainer.global_step`) comes back and is restored here. Unlike ddp_spawn, replicas are Monarch proc meshes
 under `ElasticController`, so one dying costs the others a step, not the run. No launcher command is needed:
-`python train.py` works.
+`python train.py` works; under `monarch-run train.py` each replica runs the script and `fit` trains in place.
 """
 
 from __future__ import annotations
@@ -51,6 +51,19 @@ class _MonarchLauncher(_Launcher):
                 "which needs Lightning's automatic optimization: remove `self.automatic_optimization = False` "
                 "from your LightningModule"
             )
+        ctx = _context.current()
+        if ctx is not None:
+            # Under `monarch-run` this process already is one replica and the controller is monarch-run's:
+            # train here, with monarch-run's replica flags in charge of the topology.
+            if self._strategy.replicas != ctx.config.replicas:
+                rank_zero_info(
+                    f"monarch: Trainer(devices={self._strategy.replicas * self._strategy.procs_per_replica}) "
+                    f"asks for {self._strategy.replicas} replica(s); monarch-run started {ctx.config.replicas}, "
+                    "which is what trains"
+                )
+            results = function(*args, **kwargs)
+            trainer.strategy.finish()
+            return results
         try:
             cloudpickle.dumps(model)
         except Exception as e:  # noqa: BLE001 - any pickling failure has the same fix

@@ -12,8 +12,9 @@ With `--val-samples`, every finished validation appends "<global_step> <val_loss
 (DIR/val-single without Monarch), so a test can see where each replica validated and on what weights.
 
 Writes DIR/result.json (controller's view: checksum, per-replica checksums, global_step, counts) and
-DIR/weights.pt; each replica writes DIR/progress-<replica> (its global_step) after every batch so a test knows
-when to kill it; `--slow-replica R` makes replica R the straggler its peers wait for inside the reduction.
+DIR/weights.pt (under `monarch-run`, where every replica runs this script: DIR/result-<replica>.json and
+DIR/weights-<replica>.pt); each replica writes DIR/progress-<replica> (its global_step) after every batch
+so a test knows when to kill it; `--slow-replica R` makes replica R the straggler its peers wait for inside the reduction.
 """
 
 from __future__ import annotations
@@ -191,9 +192,11 @@ def main() -> None:
         "callback_metrics": sorted(trainer.callback_metrics),
         "state": trainer.state.status.value,
     }
-    torch.save(model.state_dict(), os.path.join(args.out, "weights.pt"))
-    with open(os.path.join(args.out, "result.json"), "w") as f:
-        json.dump(result, f)
+    ctx = worker_context()  # under monarch-run every replica runs this script and writes its own result
+    suffix = f"-{ctx.replica_id}" if ctx else ""
+    torch.save(model.state_dict(), os.path.join(args.out, f"weights{suffix}.pt"))
+    with open(os.path.join(args.out, f"result{suffix}.json"), "w") as f:
+        json.dump({**result, "replica": ctx.replica_id if ctx else None}, f)
     print(f"fit done: global_step {trainer.global_step} weights {result['checksum']} replicas {replica_checksums}",
           flush=True)
 
