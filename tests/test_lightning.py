@@ -63,13 +63,14 @@ def _every_sample_once_per_epoch(result: dict) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_sigkill_mid_epoch_fit_survives_with_exact_steps_and_data(lightning_run):
+def test_sigkill_of_rank_zero_mid_epoch_fit_survives_with_exact_steps_data_and_checkpoints(lightning_run):
     epochs, samples, batch, devices = 10, 240, 8, 3
     run = lightning_run().start("--devices", str(devices), "--min-replicas", "2", "--epochs", str(epochs),
-                                "--samples", str(samples), "--batch", str(batch), "--step-sleep", "0.1")
-    run.wait_for(lambda: run.progress(1) >= 6, timeout=150, what="replica 1 to reach step 6")
+                                "--samples", str(samples), "--batch", str(batch), "--step-sleep", "0.1",
+                                "--checkpoint-every", "20")
+    run.wait_for(lambda: run.progress(0) >= 6, timeout=150, what="replica 0 to reach step 6")
     pids = run.pids()
-    os.kill(pids[1][0], signal.SIGKILL)
+    os.kill(pids[0][0], signal.SIGKILL)  # rank 0: the replica that logs and writes checkpoints
 
     assert run.wait(timeout=180) == 0, run.output
     result = run.result()
@@ -77,21 +78,27 @@ def test_sigkill_mid_epoch_fit_survives_with_exact_steps_and_data(lightning_run)
     assert result["state"] == "finished"
     assert result["global_step"] == epochs * samples // (batch * devices)
     # Survivors and the replacement finished bitwise identical, and equal to the controller's weights.
-    assert {"0", "2", "3"} == set(result["replica_checksums"]), run.output
+    assert {"1", "2", "3"} == set(result["replica_checksums"]), run.output
     assert set(result["replica_checksums"].values()) == {result["checksum"]}
-    # ...and at the same logging step, so metrics stay on the same x-axis if the replacement becomes rank 0.
-    logger_steps = {r: int((run.out / f"logger-step-{r}").read_text()) for r in (0, 2, 3)}
-    assert logger_steps == dict.fromkeys((0, 2, 3), result["global_step"]), logger_steps
+    # ...and at the same logging step, so metrics stay on the same x-axis when another replica becomes rank 0.
+    logger_steps = {r: int((run.out / f"logger-step-{r}").read_text()) for r in (1, 2, 3)}
+    assert logger_steps == dict.fromkeys((1, 2, 3), result["global_step"]), logger_steps
     # Every sample of every epoch took part in exactly one committed step (counted by the gradients).
     _every_sample_once_per_epoch(result)
 
     quorums = [q["members"] for q in run.events("quorum")]
-    assert quorums == [[0, 1, 2], [0, 2], [0, 2, 3]], quorums
-    assert [d["replica"] for d in run.events("death")] == [1]
+    assert quorums == [[0, 1, 2], [1, 2], [1, 2, 3]], quorums
+    assert [d["replica"] for d in run.events("death")] == [0]
     assert any(3 in h["recipients"] for h in run.events("heal"))
-    assert "replica 1 died" in run.output and "survivors [0, 2] kept training" in run.output
+    assert "replica 0 died" in run.output and "survivors [1, 2] kept training" in run.output
     # The replica count reached the logger (and so the progress bar) as it changed.
     assert {3.0, 2.0} <= set(run.logged("elastic/replicas"))
+    # ModelCheckpoint kept saving after its writer died: each checkpoint once, by the rank 0 of its time.
+    saved = sorted(p.name for p in (run.out / "ckpts").iterdir())
+    assert saved == [f"step={s}.ckpt" for s in (100, 20, 40, 60, 80)], saved
+    last = torch.load(run.out / "ckpts" / "step=100.ckpt", weights_only=False)
+    assert last["global_step"] == 100
+    torch.testing.assert_close(-last["state_dict"]["seen"], torch.tensor(result["counts"]))
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
 

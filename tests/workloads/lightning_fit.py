@@ -27,6 +27,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -149,6 +150,7 @@ def main() -> None:
     p.add_argument("--unpicklable", action="store_true")
     p.add_argument("--resume", default=None, help="a checkpoint to resume from (fit's ckpt_path)")
     p.add_argument("--fsdp", type=int, default=0, help="MonarchFSDPStrategy with this many procs per replica")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="ModelCheckpoint every N steps into DIR/ckpts")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -169,11 +171,16 @@ def main() -> None:
         else:
             strategy = MonarchStrategy(**knobs)
         devices, batch = args.devices, args.batch
+    callbacks = []
+    if args.checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "ckpts"), filename="{step}",
+                                         every_n_train_steps=args.checkpoint_every, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.epochs, max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, gradient_clip_algorithm="value",
         val_check_interval=args.val_interval, check_val_every_n_epoch=args.val_every_n_epoch,
-        logger=CSVLogger(args.out, name="logs"), log_every_n_steps=1, enable_checkpointing=False,
+        logger=CSVLogger(args.out, name="logs"), log_every_n_steps=1, callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
         enable_progress_bar=False, enable_model_summary=False,
     )
     loader = DataLoader(Regression(args.samples, args.dim), batch_size=batch, shuffle=False)
