@@ -102,3 +102,21 @@ def test_the_control_word_rides_in_the_last_bucket(pg):
     reducer.arm(pg, 1.0, flags, 1, 10)  # already in generation 1: nothing is waiting
     model(torch.randn(2, 4)).sum().backward()
     assert reducer.reduce([]) == (False, [])
+
+
+def test_group_construction_is_abandoned_when_a_newer_generation_comes():
+    """A member that dies after the arrival barrier leaves its peers in gloo's constructor until the group
+    timeout (30 s here); the controller's newer generation must get them out at once instead."""
+    import threading
+    import time
+
+    from monarch_plugin.worker.collectives import GenerationChanged, new_group
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.add("g/arrived", 1)  # the peer (rank 1) arrived at the barrier, then died before constructing
+    superseded = threading.Event()
+    threading.Timer(0.5, superseded.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(GenerationChanged, match="abandoned during construction"):
+        new_group(store, "g", 0, 2, "gloo", 30.0, superseded=superseded.is_set)
+    assert time.monotonic() - t0 < 5

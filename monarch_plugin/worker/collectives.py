@@ -118,14 +118,34 @@ def new_group(
         return None
     timeout = datetime.timedelta(seconds=timeout_s)
     sub = dist.PrefixStore(prefix, store)
-    try:
+
+    def construct():
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
             return dist.ProcessGroupNCCL(sub, rank, world, opts)
         return dist.ProcessGroupGloo(sub, rank, world, timeout)
-    except Exception as e:  # noqa: BLE001 - a member died mid-construction: a runtime event, not a bug
-        raise CollectiveFailed(f"{prefix}: group construction failed: {e}") from e
+
+    # A member that dies after the barrier leaves the others inside the constructor (gloo connects to
+    # every peer) until its timeout; it cannot be interrupted, so it runs on a thread that is abandoned,
+    # left to time out on its own, when the controller moves on.
+    built: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            built["pg"] = construct()
+        except Exception as e:  # noqa: BLE001 - a member died mid-construction: a runtime event, not a bug
+            built["error"] = e
+        done.set()
+
+    threading.Thread(target=run, name=f"construct {prefix}", daemon=True).start()
+    while not done.wait(0.005):
+        if superseded():
+            raise GenerationChanged(f"{prefix}: abandoned during construction (a newer generation)")
+    if "error" in built:
+        raise CollectiveFailed(f"{prefix}: group construction failed: {built['error']}") from built["error"]
+    return built["pg"]
 
 
 def abandon(pg) -> None:
