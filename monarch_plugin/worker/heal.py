@@ -41,6 +41,8 @@ class _TensorSlot:
     index: int
     shape: tuple
     dtype: torch.dtype
+    on_cpu: bool
+    """Held on the CPU by the donor (an RNG state, a step counter): it goes back there after crossing NCCL."""
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,11 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, DTensor):
         local = obj.to_local()
         tensors.append(local)
-        return _ShardSlot(len(tensors) - 1, tuple(local.shape), local.dtype, tuple(obj.placements),
-                          tuple(obj.shape), tuple(obj.stride()))
+        return _ShardSlot(len(tensors) - 1, tuple(local.shape), local.dtype, local.device.type == "cpu",
+                          tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
-        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
     if isinstance(obj, dict):
         return type(obj)((k, _split(v, tensors)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
@@ -97,10 +99,11 @@ def _join(obj: Any, tensors: list[torch.Tensor], mesh: Any) -> Any:
     if isinstance(obj, _ShardSlot):
         if mesh is None:
             raise RuntimeError("the donor sent sharded state, but this replica's provider names no device_mesh")
-        return DTensor.from_local(tensors[obj.index], mesh, obj.placements, run_check=False,
+        local = tensors[obj.index]
+        return DTensor.from_local(local.cpu() if obj.on_cpu else local, mesh, obj.placements, run_check=False,
                                   shape=torch.Size(obj.global_shape), stride=obj.stride)
     if isinstance(obj, _TensorSlot):
-        return tensors[obj.index]
+        return tensors[obj.index].cpu() if obj.on_cpu else tensors[obj.index]
     if isinstance(obj, dict):
         return type(obj)((k, _join(v, tensors, mesh)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
