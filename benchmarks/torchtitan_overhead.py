@@ -1,0 +1,128 @@
+"""Step time of one torchtitan job as plain torchtitan (torchrun, HSDP) and as `--monarch.enable`, side by side.
+
+    python benchmarks/torchtitan_overhead.py --procs-per-replica 2 --steps 40 --repeats 2
+
+What elasticity costs a failure-free torchtitan run with the same parallel dims: llama3's debug model
+(`--config llama3_debugmodel_cpu`), 2 replicas of `--procs-per-replica` FSDP procs, the same global batch and
+sequence length, gloo, one torch thread per proc. The plain side is torchtitan's own HSDP under torchrun
+(`data_parallel_replicate_degree 2` x `data_parallel_shard_degree k`, FSDP reducing across replicas inside
+backward); the elastic side is `python -m torchtitan.train ... --monarch.enable` (each replica an FSDP group,
+the cross-replica sum one transaction after backward, the loader reading the global batch on every proc).
+One invocation runs both, alternating `--repeats` times so the ratio shares one machine state. A step's time is
+the interval between the first "step: N" log lines (any rank) of consecutive steps, after a warm-up; a side's
+median and 10th percentile pool its runs' steps. On a machine shared with other work the median carries that
+work's noise; the 10th percentile (the side's unhindered pace) is the steadier estimate of the overhead.
+Writes <out>/torchtitan_overhead.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WARMUP = 5
+STEP_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*step:\s+(\d+)\s+.*loss:")
+
+
+def command(side: str, k: int, steps: int, seq_len: int, batch: int, work: Path) -> list[str]:
+    job = ["-m", "torchtitan.train", "--module", "monarch_plugin.integrations.torchtitan", "--config",
+           "llama3_debugmodel_cpu", "--training.steps", str(steps), "--training.seq_len", str(seq_len),
+           "--training.local_batch_size", str(batch), "--metrics.log_freq", "1", "--debug.seed", "0",
+           "--dump_folder", str(work)]
+    if side == "torchtitan":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(2 * k), *job,
+                "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
+                str(k)]
+    return [sys.executable, *job, "--monarch.enable", "--monarch.replicas", "2", "--monarch.procs_per_replica",
+            str(k), "--monarch.events_path", str(work / "events.jsonl")]
+
+
+def step_times(log: str, steps: int) -> list[float]:
+    first: dict[int, float] = {}
+    for stamp, step in STEP_LINE.findall(log):
+        t = datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        first[int(step)] = min(t, first.get(int(step), t))
+    if sorted(first) != list(range(1, steps + 1)):
+        raise RuntimeError(f"the log shows steps {sorted(first)}, expected 1..{steps}")
+    ts = [first[s] for s in range(WARMUP, steps + 1)]
+    return [b - a for a, b in zip(ts, ts[1:])]
+
+
+def decile(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[0]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--procs-per-replica", type=int, default=2, help="FSDP procs in each of the 2 replicas")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=2, help="per proc (training.local_batch_size)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating")
+    p.add_argument("--work", default="/tmp/monarch_plugin_torchtitan_bench")
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args()
+    work, k = Path(args.work), args.procs_per_replica
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    sides = ("torchtitan", "monarch")
+    results = {"replicas": 2, "procs_per_replica": k, "steps": args.steps, "seq_len": args.seq_len,
+               "batch_per_proc": args.batch, "repeats": args.repeats,
+               **{side: {"step_s": [], "median_s": [], "wall_s": []} for side in sides}}
+    for repeat in range(args.repeats):  # alternating, so a slow spell of the machine hits both sides
+        for side in sides:
+            run = work / f"{side}-{repeat}"
+            run.mkdir()
+            t0 = time.monotonic()
+            done = subprocess.run(command(side, k, args.steps, args.seq_len, args.batch, run), cwd=run, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            (run / "run.log").write_text(done.stdout)
+            if done.returncode:
+                raise SystemExit(f"{side} run failed ({done.returncode}); log in {run / 'run.log'}")
+            results[side]["wall_s"].append(time.monotonic() - t0)
+            steps = step_times(done.stdout, args.steps)
+            results[side]["step_s"] += steps
+            results[side]["median_s"].append(statistics.median(steps))
+            print(json.dumps({side: {"median_s": statistics.median(steps), "p10_s": decile(steps),
+                                     "wall_s": results[side]["wall_s"][-1]}}), flush=True)
+    for side in sides:
+        results[side]["median_step_s"] = statistics.median(results[side]["step_s"])
+        results[side]["p10_step_s"] = decile(results[side]["step_s"])
+    results["ratio"] = results["monarch"]["median_step_s"] / results["torchtitan"]["median_step_s"]
+    results["ratio_p10"] = results["monarch"]["p10_step_s"] / results["torchtitan"]["p10_step_s"]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "torchtitan_overhead.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+
+
+def table(r: dict) -> str:
+    def row(side: str, label: str) -> str:
+        each = ", ".join(f"{x * 1000:.0f}" for x in r[side]["median_s"])
+        walls = ", ".join(f"{x:.1f}" for x in r[side]["wall_s"])
+        return (f"| {label} | {r[side]['median_step_s'] * 1000:.0f} ms | {r[side]['p10_step_s'] * 1000:.0f} ms "
+                f"| {each} | {walls} |")
+
+    k = r["procs_per_replica"]
+    return "\n".join([
+        f"| llama3 debugmodel, 2 replicas x {k} FSDP proc(s), seq {r['seq_len']}, batch {r['batch_per_proc']}/proc, "
+        f"{r['steps']} steps | median step | 10th percentile | run medians (ms) | whole command per run (s) |",
+        "|---|---|---|---|---|",
+        row("torchtitan", f"torchtitan HSDP (torchrun, replicate 2 x shard {k})"),
+        row("monarch", "`--monarch.enable`"),
+        f"| ratio monarch / torchtitan | {r['ratio']:.2f} | {r['ratio_p10']:.2f} | | |",
+    ])
+
+
+if __name__ == "__main__":
+    main()

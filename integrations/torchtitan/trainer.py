@@ -1,0 +1,352 @@
+"""`MonarchTrainer`: torchtitan's Trainer with a `monarch` config section, elastic across FSDP replicas.
+
+The same class serves both sides. In the launching process, `Config.build()` returns the controller
+(`launch.ElasticLauncher`) instead of a Trainer when `--monarch.enable` is set; it spawns the replicas, each
+of which runs the same command and builds a real `MonarchTrainer` whose torch.distributed world is its own
+replica's procs (one FSDP group, as torchtitan builds it). Across replicas only the runtime's session talks:
+
+* **The step is a transaction.** `train_step` computes the step's micro-batches (FSDP reduce-scatters inside
+  the replica as usual), then sums each proc's gradient shard with the same shard of the other live replicas
+  and votes inside the replica; only if every reduction completed do clipping, the optimizer, the LR
+  schedule, the data cursor and the step counter move. A death drops the step: the survivors join the new
+  generation and redo it, on the same global batch cut over fewer replicas, inside the same `train_step`.
+* **The heal is taken at a step boundary.** A replica joins a new generation only between steps (before the
+  step's first forward, or after a dropped step's backward has finished), from the training thread, so a
+  donor serves weights and optimizer state that no FSDP forward, backward or optimizer step is touching.
+  Each proc heals from the proc holding the same shard in the donor replica.
+* **The loss is normalised globally.** Every proc holds the step's whole global batch (`ElasticDataLoader`),
+  so it divides its loss by the global valid-token count: FSDP's in-replica sum plus the cross-replica sum
+  give the global-batch mean at any number of live replicas, uneven splits included.
+
+Everything else is torchtitan's own `train()` loop: checkpoints (written by one replica), validation,
+profiling, metrics and garbage collection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torchtitan.components.dataloader import DataloaderExhaustedError
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from monarch_plugin.integrations.torchtitan import compat
+from monarch_plugin.integrations.torchtitan.config import (
+    MonarchConfig,
+    global_batch_size,
+    micro_batch_size,
+    validate,
+)
+from monarch_plugin.integrations.torchtitan.data import ElasticDataLoader
+from monarch_plugin.worker import context as _context
+from monarch_plugin.worker.collectives import CollectiveInterrupted
+from monarch_plugin.worker.reducer import GradientReducer
+from monarch_plugin.worker.session import ReplicaSession, StopReplica
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch without distributed tensors has no sharded parameters
+    DTensor = ()
+
+__all__ = ["CommittedStep", "MonarchTrainer"]
+
+
+@dataclass(frozen=True)
+class CommittedStep:
+    """What the last committed step was, as this proc saw it (for callers, logs and tests)."""
+
+    step: int
+    generation: int
+    replicas: int
+    """Live replicas that trained the step (the global batch was cut over this many)."""
+    loss: float | None
+    """The global-batch mean loss; None on steps torchtitan does not log (`--metrics.log_freq`)."""
+    samples: list[int]
+    """Stream positions of the samples this proc trained in the step."""
+
+
+class MonarchTrainer(Trainer):
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        monarch: MonarchConfig = field(default_factory=MonarchConfig)
+        """Elastic training across FSDP replicas under PyTorch Monarch; off unless `--monarch.enable`."""
+
+        def __post_init__(self) -> None:
+            if self.monarch.enable:  # first, so an unsupported combination is reported against --monarch.enable
+                validate(self)
+            Trainer.Config.__post_init__(self)  # explicit: zero-argument super() fails in slots dataclasses
+
+        def build(self, **kwargs: Any):
+            """In the launching process of an elastic job: the controller, whose `train()` runs the replicas."""
+            if self.monarch.enable and _context.current() is None:
+                from monarch_plugin.integrations.torchtitan.launch import ElasticLauncher
+
+                return ElasticLauncher(self)
+            return Trainer.Config.build(self, **kwargs)
+
+    def __init__(self, config: Config):
+        compat.apply()
+        ctx = _context.current()
+        if ctx is not None and not config.monarch.enable:
+            raise RuntimeError(
+                "this torchtitan job runs inside a monarch-plugin replica but --monarch.enable is off: launch it "
+                "with `python -m torchtitan.train ... --monarch.enable` (the controller is that process)"
+            )
+        self._session: ReplicaSession | None = None
+        self._committed = 0
+        self._in_step = False
+        self._announced_gen = -1
+        self.last_commit: CommittedStep | None = None
+        """The last step this proc committed (elastic runs only)."""
+        if compat.on_cpu():
+            config.model_spec = dataclasses.replace(
+                config.model_spec, parallelize_fn=_summing_fsdp(config.model_spec.parallelize_fn)
+            )
+        if config.monarch.enable:
+            _check_launch(config, ctx)
+            micro = micro_batch_size(config)
+            config.dataloader = ElasticDataLoader.Config(
+                source=config.dataloader, micro_batch_size=micro, micro_batches=global_batch_size(config) // micro,
+            )
+        super().__init__(config)
+        if config.monarch.enable:
+            self._session = ReplicaSession(ctx, _HealState(self))
+            self._reducer = GradientReducer(self._params(), self._session.device, overlap=False)
+            # torchtitan counted accumulation over this replica alone; a micro-batch spans every replica here.
+            self.gradient_accumulation_steps = self.dataloader.config.micro_batches
+            self.checkpointer = _OneWriter(self.checkpointer, self._session)
+            logger.info(
+                f"monarch: replica {ctx.replica_id}, proc {ctx.local_rank} of {ctx.procs_per_replica}: global batch "
+                f"{global_batch_size(config)} samples per step ({self.gradient_accumulation_steps} micro-batch(es) "
+                f"of {micro}), cut over the live replicas"
+            )
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for part in self.model_parts for p in part.parameters()]
+
+    # -- the loop: torchtitan's train(), with a step boundary where generations change -------------------------
+
+    def should_continue_training(self) -> bool:
+        """At every step boundary: enter a waiting generation (heal if behind); at the end, leave together."""
+        if self._session is None:
+            return super().should_continue_training()
+        while True:
+            self._sync_generation()
+            if self.step < self.config.training.steps:
+                return True
+            if self._session.finish():
+                self._session.close()
+                return False
+
+    def train_step(self, data_iterator):
+        if self._session is None:
+            return super().train_step(data_iterator)
+        self._in_step = True
+        try:
+            while True:
+                self._sync_generation()
+                if self._committed >= self.step:
+                    return  # a peer committed this step while ours was dropped; the heal handed it over
+                self._inject_fault()
+                try:
+                    self._attempt(data_iterator)
+                    return
+                except CollectiveInterrupted as e:
+                    self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+                    self._session.ctx.events.emit("dropped_step", replica=self._session.ctx.replica_id,
+                                                  step=self.step, gen=self._session.gen, reason=type(e).__name__)
+        except DataloaderExhaustedError:
+            while not self._session.finish():  # every replica reads the same stream: all ran out together
+                self._sync_generation()
+            self._session.close()
+            raise
+        finally:
+            self._in_step = False
+
+    def _attempt(self, data_iterator) -> None:
+        """One try at step `self.step` on the current generation; raises CollectiveInterrupted to drop it."""
+        session, parallel_dims = self._session, self.parallel_dims
+        self.dataloader.regroup(session.rank, session.world)
+        self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
+        lr_metrics = self.lr_schedulers.get_metrics()
+        should_log = self.metrics_processor.should_log(self.step)
+        global_valid_tokens = torch.tensor(self.dataloader.valid_tokens(), dtype=torch.int64, device=self.device)
+        local_valid_tokens = torch.tensor(0, dtype=torch.int64)
+        tokens_before = self.ntokens_seen
+        session.flags.set_phase("compute", self.step)
+        session.begin_step(self._reducer, 1.0)
+        loss_sum = torch.zeros((), device=self.device)
+        for _ in range(self.gradient_accumulation_steps):
+            input_dict, labels = next(data_iterator)
+            local_valid_tokens += (labels != IGNORE_INDEX).sum()
+            input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
+            loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
+                                              global_valid_tokens=global_valid_tokens)
+            loss_sum += loss.detach()
+        self.ntokens_seen = tokens_before  # counted globally at commit, so a redone step is not counted twice
+        reduced = session.reduce(self._reducer, 1.0, [float(loss_sum)] if should_log else [])
+
+        # Committed: every live replica summed this step's gradients.
+        grad_norm = dist_utils.clip_grad_norm_(self._params(), self.config.training.max_norm, foreach=True,
+                                               pp_mesh=None, ep_enabled=False)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        samples = self.dataloader.positions()
+        step_samples = self.dataloader.config.micro_batch_size * self.gradient_accumulation_steps
+        self.ntokens_seen += step_samples * self.config.training.seq_len
+        self.dataloader.commit()
+        self._committed = self.step
+        if self._announced_gen != session.gen:
+            self._announced_gen = session.gen
+            session.ctx.events.emit("first_commit", replica=session.ctx.replica_id, gen=session.gen,
+                                    step=self.step, world=session.world)
+        loss = None
+        if should_log:
+            loss_mesh = parallel_dims.get_optional_mesh("loss") if parallel_dims.dp_cp_enabled else None
+            total = torch.tensor(reduced[0], device=self.device)
+            local_avg = loss_sum * global_valid_tokens / local_valid_tokens.clamp(min=1).to(self.device)
+            loss = dist_utils.dist_sum(total, loss_mesh)
+            self.metrics_processor.log(
+                self.step, loss, dist_utils.dist_max(local_avg, loss_mesh), float(grad_norm.item()),
+                extra_metrics={"n_tokens_seen": self.ntokens_seen, "elastic/replicas": session.world, **lr_metrics},
+            )
+        self.last_commit = CommittedStep(step=self.step, generation=session.gen, replicas=session.world, loss=loss,
+                                         samples=samples)
+
+    def _sync_generation(self) -> None:
+        """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
+        session = self._session
+        if not session.needs_join():
+            return
+        session.join(self._committed)
+        if session.action == "checkpoint":
+            self._write_give_up_checkpoint()
+            raise StopReplica("the controller gave up; checkpoint written")
+
+    def _inject_fault(self) -> None:
+        ctx = self._session.ctx
+        if ctx.fault and ctx.fault.applies(ctx.replica_id, self.step):
+            ctx.events.emit("fault_injected", replica=ctx.replica_id, step=self.step, mode=ctx.fault.mode,
+                            pid=os.getpid())
+            ctx.fault.fire()
+
+    def _write_give_up_checkpoint(self) -> None:
+        """The run stops (too few replicas): the generation's first replica writes torchtitan's checkpoint of
+        the last committed step, which `--checkpoint.enable` loads on the next start."""
+        session = self._session
+        if session.rank != 0 or not self.checkpointer.enable:
+            return
+        self.checkpointer.inner.save(self._committed, last_step=True)
+        if torch.distributed.get_rank() == 0:
+            path = os.path.abspath(os.path.join(self.config.dump_folder, self.config.checkpoint.folder,
+                                                f"step-{self._committed}"))
+            session.ctx.events.emit("checkpoint", replica=session.ctx.replica_id, step=self._committed, path=path)
+
+    # -- torchtitan's train_state (checkpoints) --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The last committed step: the give-up checkpoint is written from inside a step that was dropped."""
+        if self._session is None:
+            return super().state_dict()
+        return {"step": self._committed, "ntokens_seen": self.ntokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._committed = self.step
+
+
+class _HealState:
+    """What a newcomer, or a replica that dropped a step its peers committed, receives from a live replica.
+
+    Served and loaded only at a step boundary (see the module docstring); each proc exchanges its own shards.
+    Everything that moves when a step commits is here, so the receiver continues exactly where the donor is.
+    """
+
+    def __init__(self, trainer: MonarchTrainer):
+        self.trainer = trainer
+
+    @property
+    def device_mesh(self):
+        """The replica's FSDP mesh, on which received shards are rebuilt."""
+        return next((p.device_mesh for p in self.trainer._params() if isinstance(p, DTensor)), None)
+
+    def state_dict(self) -> dict:
+        t = self.trainer
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if t.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(t.device)
+        return {
+            "step": t._committed,
+            "ntokens_seen": t.ntokens_seen,
+            "model": [part.state_dict() for part in t.model_parts],
+            "optimizers": [optimizer.state_dict() for optimizer in t.optimizers.optimizers],
+            "lr_schedulers": t.lr_schedulers.state_dict(),
+            "data": t.dataloader.state_dict(),
+            "rng": rng,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        t = self.trainer
+        for part, saved in zip(t.model_parts, state["model"]):
+            part.load_state_dict(saved)
+        for optimizer, saved in zip(t.optimizers.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        t.lr_schedulers.load_state_dict(state["lr_schedulers"])
+        t.dataloader.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"]["torch"].cpu())  # received on the wire device (a GPU under NCCL)
+        random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and t.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), t.device)
+        t.ntokens_seen = state["ntokens_seen"]
+        t._committed = state["step"]
+        if not t._in_step:
+            t.step = state["step"]
+
+
+class _OneWriter:
+    """torchtitan's checkpointer, saving from the current generation's first replica only (all its procs take
+    part, as DCP needs): every replica holds the same state, and they share one checkpoint folder."""
+
+    def __init__(self, inner, session: ReplicaSession):
+        self.inner = inner
+        self.session = session
+
+    def save(self, curr_step: int, last_step: bool = False) -> bool:
+        return self.session.rank == 0 and self.inner.save(curr_step, last_step)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _summing_fsdp(parallelize_fn):
+    """torchtitan's parallelize function, then FSDP told to reduce with SUM (see `compat.force_sum_reduction`)."""
+
+    def parallelize(model, **kwargs):
+        model = parallelize_fn(model, **kwargs)
+        compat.force_sum_reduction(model)
+        return model
+
+    return parallelize
+
+
+def _check_launch(config: MonarchTrainer.Config, ctx) -> None:
+    if ctx is None:
+        raise RuntimeError(
+            "MonarchTrainer with --monarch.enable trains inside replicas the controller spawns: build it with "
+            "config.build() (as `python -m torchtitan.train` does), not MonarchTrainer(config)"
+        )
+    for name in ("replicas", "procs_per_replica"):
+        if getattr(ctx.config, name) != getattr(config.monarch, name):
+            raise RuntimeError(
+                f"this replica was started with {name}={getattr(ctx.config, name)} but the job says "
+                f"--monarch.{name} {getattr(config.monarch, name)}: launch the job with `python -m "
+                "torchtitan.train ... --monarch.enable` so the controller takes its settings from the job"
+            )

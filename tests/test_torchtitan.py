@@ -1,0 +1,213 @@
+"""The torchtitan front end: a real torchtitan Trainer in real Monarch procs, a real SIGKILL from this test.
+
+Each run is `python -m torchtitan.train --module torchtitan_probe --config llama3_probe ...` as a subprocess:
+the integration's CPU debug config (2 replicas x 2 FSDP procs on gloo) with a trainer that logs every committed
+step (`tests/workloads/torchtitan_probe.py`). The harness kills every worker pid the run reported, pass or
+fail. The config section's parsing and validation are checked in this process, without spawning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchtitan")
+
+from torchtitan.config import ConfigManager, ParallelismConfig  # noqa: E402
+
+from conftest import ElasticRun, alive, run_factory  # noqa: E402
+from monarch_plugin.integrations.torchtitan import ElasticLauncher, MonarchConfig, MonarchTrainer  # noqa: E402
+from monarch_plugin.integrations.torchtitan.config_registry import (  # noqa: E402
+    llama3_debugmodel_cpu,
+    llama3_debugmodel_elastic,
+)
+
+WORKLOADS = Path(__file__).parent / "workloads"
+STEPS, SEQ_LEN, GLOBAL_BATCH = 10, 64, 8  # 2 replicas x 2 procs x local batch 2
+COMMON = ("--training.steps", str(STEPS), "--training.seq_len", str(SEQ_LEN), "--debug.seed", "7",
+          "--metrics.log_freq", "1")
+
+
+class TitanRun(ElasticRun):
+    """`python -m torchtitan.train ...`: the launching process is the controller."""
+
+    def start(self, *args: str) -> "TitanRun":
+        cmd = [sys.executable, "-m", "torchtitan.train", "--module", "torchtitan_probe", "--config", "llama3_probe",
+               "--dump_folder", str(self.out), "--monarch.events_path", str(self.events_path), *COMMON, *args]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")]),
+               "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+        self.log = open(self.tmp / "run.log", "w")
+        self.proc = subprocess.Popen(cmd, cwd=self.tmp, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
+        return self
+
+    def steps(self) -> dict[tuple[int, int], list[dict]]:
+        found = {}
+        for path in (self.out / "probe").glob("steps-*.jsonl"):
+            replica, local = map(int, path.stem.split("-")[1:])
+            found[replica, local] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return found
+
+    def progress(self, replica: int) -> int:
+        path = self.out / "probe" / f"steps-{replica}-0.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    def outcome(self) -> dict[tuple[int, int], dict]:
+        found = {}
+        for path in (self.out / "probe").glob("result-*.json"):
+            replica, local = map(int, path.stem.split("-")[1:])
+            found[replica, local] = json.loads(path.read_text())
+        return found
+
+
+@pytest.fixture
+def titan_run(tmp_path):
+    yield from run_factory(tmp_path, TitanRun)
+
+
+def _final_records(steps: dict[tuple[int, int], list[dict]]) -> dict[int, list[dict]]:
+    """Per step, the records of the generation that last committed it (a step a dead replica committed alone
+    is redone by the survivors' next generation)."""
+    by_step: dict[int, list[dict]] = {}
+    for records in steps.values():
+        for r in records:
+            by_step.setdefault(r["step"], []).append(r)
+    return {s: [r for r in rs if r["generation"] == max(x["generation"] for x in rs)] for s, rs in by_step.items()}
+
+
+@pytest.mark.timeout(420)
+def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run(titan_run):
+    run = titan_run().start("--probe.shrunk_steps", "2")
+    reference = titan_run().start()
+    run.wait_for(lambda: run.progress(0) >= 3, timeout=300, what="replica 0 to commit step 3")
+    pids = run.pids()
+    # Local rank 1 of replica 0: a shard holder of the generation's rank 0, the replica that seeded the others.
+    victim = next(r["pid"] for r in run.steps()[0, 1])
+    assert victim in pids[0]
+    os.kill(victim, signal.SIGKILL)
+
+    assert run.wait(timeout=300) == 0, run.output
+    assert reference.wait(timeout=120) == 0, reference.output
+
+    # One death, a shrink to the survivor, a regrow with the replacement, healed shard by shard from the survivor.
+    assert [d["replica"] for d in run.events("death")] == [0]
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1], [1], [1, 2]]
+    heals = [h for h in run.events("heal") if 2 in h["recipients"]]
+    assert {h["source"] for h in heals} == {"replica1.0", "replica1.1"}
+    # The survivor was never restarted; it and the replacement finished every step, holding identical shards.
+    outcome = run.outcome()
+    assert set(outcome) == {(1, 0), (1, 1), (2, 0), (2, 1)}, run.output
+    assert {o["step"] for o in outcome.values()} == {STEPS}
+    assert {outcome[1, 0]["pid"], outcome[1, 1]["pid"]} == set(pids[1])
+    for local in (0, 1):
+        assert outcome[1, local]["checksum"] == outcome[2, local]["checksum"]
+    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
+
+    final = _final_records(run.steps())
+    assert sorted(final) == list(range(1, STEPS + 1))
+    # The survivor trained on by itself (the global batch cut over one replica) before the regrow.
+    shrunk = [s for s, records in final.items() if {r["replicas"] for r in records} == {1}]
+    assert len(shrunk) >= 2 and {r["step"] for r in run.steps()[2, 0]} >= {STEPS}
+    # The loader is sharded by the live replicas: each step trained its whole global batch exactly once.
+    for step, records in final.items():
+        samples = [i for r in records for i in r["samples"]]
+        assert sorted(samples) == list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH)), (step, records)
+    # The loss continues from where it was: step for step, the uninterrupted run's (same seed, same batches).
+    expected = {r["step"]: r["loss"] for r in reference.steps()[0, 0]}
+    for step, records in final.items():
+        assert {round(r["loss"], 9) for r in records} == {round(records[0]["loss"], 9)}
+        assert records[0]["loss"] == pytest.approx(expected[step], rel=1e-5), (step, records[0], expected[step])
+    assert expected[STEPS] < expected[1]
+
+    # No orphans: every worker process the run spawned is gone.
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)
+
+
+@pytest.mark.timeout(300)
+def test_too_few_replicas_stop_with_a_torchtitan_checkpoint_that_resumes_exactly(titan_run):
+    checkpointing = ("--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.no-last-save-model-only")
+    run = titan_run().start("--monarch.min_replicas", "2", *checkpointing)
+    run.wait_for(lambda: run.progress(1) >= 2, timeout=200, what="replica 1 to commit step 2")
+    os.kill(next(r["pid"] for r in run.steps()[1, 0]), signal.SIGKILL)
+    assert run.wait(timeout=120) == 1, run.output
+    [saved] = run.events("checkpoint")
+    assert f"checkpoint written to {saved['path']}" in run.output and Path(saved["path"]).is_dir()
+    assert max(r["step"] for r in run.steps()[0, 0]) == saved["step"]  # the last step the survivor committed
+
+    # torchtitan's own --checkpoint.enable resumes it: the next step, on the next global batch.
+    resumed = titan_run().start(*checkpointing, "--checkpoint.folder", str(Path(saved["path"]).parent))
+    assert resumed.wait(timeout=150) == 0, resumed.output
+    final = _final_records(resumed.steps())
+    assert sorted(final) == list(range(saved["step"] + 1, STEPS + 1))
+    for step, records in final.items():
+        assert sorted(i for r in records for i in r["samples"]) == list(range((step - 1) * GLOBAL_BATCH,
+                                                                            step * GLOBAL_BATCH))
+    outcome = resumed.outcome()
+    assert {o["step"] for o in outcome.values()} == {STEPS} and len(outcome) == 4
+    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
+    for local in (0, 1):
+        assert outcome[0, local]["checksum"] == outcome[1, local]["checksum"]
+    for replica_pids in [*run.pids().values(), *resumed.pids().values()]:
+        assert not any(alive(pid) for pid in replica_pids)
+
+
+def _parse(*args: str) -> MonarchTrainer.Config:
+    return ConfigManager().parse_args(["--module", "monarch_plugin.integrations.torchtitan", *args])
+
+
+def test_monarch_section_parses_from_the_command_line():
+    config = _parse("--config", "llama3_debugmodel_cpu", "--monarch.enable", "--monarch.replicas", "3",
+                    "--monarch.min_replicas", "2", "--monarch.max_replicas", "4", "--monarch.procs_per_replica", "2",
+                    "--monarch.spares", "1", "--monarch.fault", "sigkill:replica=1:step=5")
+    assert isinstance(config, MonarchTrainer.Config)
+    assert config.monarch == MonarchConfig(enable=True, replicas=3, min_replicas=2, max_replicas=4,
+                                           procs_per_replica=2, spares=1, fault="sigkill:replica=1:step=5")
+    assert not _parse("--config", "llama3_debugmodel_cpu").monarch.enable
+    assert _parse("--config", "llama3_debugmodel_elastic").monarch.procs_per_replica == 2
+    # In the launching process an enabled job builds the controller, not a Trainer.
+    assert isinstance(config.build(), ElasticLauncher)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"parallelism": ParallelismConfig(pipeline_parallel_degree=2, spmd_backend="partial_dtensor")},
+     r"--monarch.enable does not support pipeline parallelism \(--parallelism.pipeline_parallel_degree 2\)"),
+    ({"parallelism": ParallelismConfig(tensor_parallel_degree=2, spmd_backend="partial_dtensor")},
+     r"tensor parallelism \(--parallelism.tensor_parallel_degree 2\)"),
+    ({"parallelism": ParallelismConfig(data_parallel_shard_degree=4, spmd_backend="partial_dtensor")},
+     r"--monarch.procs_per_replica 2 does not match --parallelism.data_parallel_shard_degree 4"),
+    ({"parallelism": ParallelismConfig(data_parallel_replicate_degree=2, spmd_backend="partial_dtensor")},
+     r"--parallelism.data_parallel_replicate_degree 2 .* use --monarch.replicas"),
+    ({"parallelism": ParallelismConfig(spmd_backend="spmd_types")}, r"--parallelism.spmd_backend spmd_types"),
+    ({"monarch": MonarchConfig(enable=True, replicas=2, min_replicas=3)},
+     r"--monarch.min_replicas \(3\) is larger than --monarch.max_replicas \(2\)"),
+    ({"monarch": MonarchConfig(enable=True, procs_per_replica=0)}, r"--monarch.procs_per_replica must be a positive"),
+    ({"monarch": MonarchConfig(enable=True, fault="sigkill:step=x")}, r"--monarch.fault: bad fault field"),
+    ({"monarch": MonarchConfig(enable=True, procs_per_replica=2, max_replicas=8)},
+     r"leaves some of up to 16 procs .* raise --training.local_batch_size"),
+])
+def test_bad_monarch_settings_fail_at_parse_time_naming_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(llama3_debugmodel_elastic(), **change)
+
+
+def test_global_batch_must_be_whole_micro_batches_of_the_live_group():
+    training = dataclasses.replace(llama3_debugmodel_elastic().training, global_batch_size=12)
+    with pytest.raises(ValueError, match=r"--training.global_batch_size 12 is not a multiple of .* = 8"):
+        dataclasses.replace(llama3_debugmodel_elastic(), training=training)
+    # The same settings are fine without --monarch.enable: plain torchtitan checks its own.
+    assert not dataclasses.replace(llama3_debugmodel_cpu(), training=training).monarch.enable
+
+
+def test_command_line_errors_name_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        _parse("--config", "llama3_debugmodel_elastic", "--parallelism.pipeline_parallel_degree", "2")
+    err = re.sub(r"[│\s]+", " ", capsys.readouterr().err)  # tyro boxes and wraps the message
+    assert "--monarch.enable does not support pipeline parallelism" in err
