@@ -1,0 +1,547 @@
+"""`MonarchElasticCallback`: HF `Trainer.train()` as the elastic runtime's step transaction.
+
+Under `monarch-run` every replica runs the user's unchanged script. Each replica's torch.distributed world is
+its own procs (one here), so accelerate's DDP wrapper spans nothing and is switched off; everything that crosses
+replicas goes through the runtime's `ReplicaSession`:
+
+* **Data.** The training loader is rebuilt around the runtime's `ElasticSampler`: one permutation per epoch (the
+  one accelerate's seedable sampler would draw under torchrun), one global cursor that moves only when a step
+  commits. A global micro-batch is `per_device_train_batch_size x replicas` samples, cut into contiguous shares
+  over the replicas live for that step; a step is `gradient_accumulation_steps` of them, as HF groups them.
+* **The step.** `on_step_begin` arms the runtime's reducer with this replica's share of the step's samples; the
+  window's earlier micro-batches accumulate locally (the reducer's `no_sync`), and the last backward reduces the
+  weighted gradients over the live replicas, so HF's clipping acts on the global-batch gradient, as with DDP.
+  `on_pre_optimizer_step` is the commit point: if the reduction completed everywhere, HF's own
+  `optimizer.step()`, scheduler step and `global_step += 1` follow. If a death interrupted it, the step is
+  dropped and redone inside that same call, by the new group, on its shares of the same global micro-batches
+  (through the Trainer's public `get_batch_samples` and `training_step`), and clipped again; so the optimizer,
+  the LR schedule and `state.global_step` advance exactly once per committed step.
+* **Generations** change only at step boundaries this callback controls: a grow agreed inside a committed step,
+  or a death noticed after one, is entered in `on_step_end`; a replacement joins in `on_train_begin` and heals
+  there from a live peer (weights, optimizer, scheduler, cursor, `TrainerState`, stateful callbacks, RNG); the
+  epoch loop then resumes where its peers are (`_trainer_hooks`).
+* **One writer.** Rank 0 of the current generation is the main process: only it saves checkpoints and reports
+  to loggers (`state.is_world_process_zero`); `elastic/replicas` goes through `Trainer.log`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
+from transformers.utils import logging
+
+from monarch_plugin.integrations.hf import _trainer_hooks
+from monarch_plugin.sampler import ElasticSampler, shard_bounds
+from monarch_plugin.worker import context as _context
+from monarch_plugin.worker.collectives import CollectiveInterrupted
+from monarch_plugin.worker.reducer import GradientReducer
+from monarch_plugin.worker.session import ReplicaSession, StopReplica
+
+__all__ = ["MonarchElasticCallback", "weights_checksum"]
+
+logger = logging.get_logger(__name__)
+
+_INACTIVE = (
+    "MonarchElasticCallback is inactive: this process was not started by `monarch-run`, so Trainer.train() runs "
+    "as usual. Launch with `monarch-run --replicas N --min-replicas M script.py` to train on elastic replicas."
+)
+
+# Per-replica fields of TrainerState that a heal must not overwrite.
+_OWN_STATE_FIELDS = {"is_local_process_zero", "is_world_process_zero", "stateful_callbacks"}
+
+
+class MonarchElasticCallback(TrainerCallback):
+    """Makes `Trainer.train()` survive SIGKILLed workers when the script is launched by `monarch-run`.
+
+    Pass it to the Trainer: `Trainer(..., callbacks=[MonarchElasticCallback()])`. Under `monarch-run --replicas N
+    --min-replicas M script.py` each replica runs `train()`; a dead replica costs the others the step in flight,
+    a replacement heals from a live peer and joins, and every replica returns from `train()` with identical
+    weights at the exact `global_step`. Under plain `python script.py` it says once that it is inactive and does
+    nothing. The elastic run's settings (replicas, faults, timeouts, events file) are `monarch-run`'s flags.
+    """
+
+    def __init__(self) -> None:
+        self._ctx: _context.WorkerContext | None = None
+        self._trainer = None
+        self._session: ReplicaSession | None = None
+        self._reducer: GradientReducer | None = None
+        self._sampler: ElasticSampler | None = None
+        self._dataset: Any = None
+        self._collate: Any = None
+        self._global_batch = 0
+        self._accumulate = 1
+        self._step = 0
+        """Committed steps; `state.global_step` catches up right after each commit."""
+        self._micro_batches = 0
+        """Micro-batches in the step in flight (fewer than `gradient_accumulation_steps` at an epoch's end)."""
+        self._weight = 1.0
+        self._armed = False
+        self._no_sync: contextlib.AbstractContextManager | None = None
+        self._substeps = 0
+        self._issued: dict[tuple[int, int], tuple[int, list[int]]] = {}
+        """(epoch, position) of each global micro-batch handed to the loader -> (generation, share) it was cut for."""
+        self._in_step = False
+        self._committed_world = 0
+        self._logged_world = 0
+        self._announced_gen = -1
+        self._position: tuple[int, int] | None = None
+
+    # -- what the run is at ---------------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        """True in a replica started by `monarch-run`; False under plain `python`."""
+        return self._ctx is not None
+
+    @property
+    def num_replicas(self) -> int:
+        """Live replicas in the current generation (1 when inactive)."""
+        return self._session.world if self._session is not None and self._session.gen >= 0 else 1
+
+    @property
+    def is_main_replica(self) -> bool:
+        """Rank 0 of the current generation: the one replica that writes checkpoints and reports to loggers.
+
+        Before the first generation forms it is the first initial replica; it moves when that replica dies.
+        Always True when inactive."""
+        if self._ctx is None:
+            return True
+        if self._session is not None and self._session.gen >= 0:
+            return self._session.rank == 0
+        return self._ctx.initial and self._ctx.replica_id == 0
+
+    # -- set-up, in Trainer.__init__ --------------------------------------------------------------------------
+
+    def on_init_end(self, args, state, control, **kwargs):
+        ctx = _context.current()
+        if ctx is None:
+            logger.warning_once(_INACTIVE)
+            return
+        trainer = _trainer_hooks.find_trainer()
+        if trainer is None:
+            raise RuntimeError("MonarchElasticCallback could not find the Trainer that is being built: pass it as "
+                               "Trainer(..., callbacks=[MonarchElasticCallback()])")
+        if self._trainer is not None:
+            raise RuntimeError("a MonarchElasticCallback serves one Trainer: create a new one for each Trainer")
+        _check_arguments(trainer, ctx)
+        self._ctx, self._trainer = ctx, trainer
+        _trainer_hooks.install(trainer, self)
+        # Join before any other callback's on_train_begin, so they all see the healed state and who is main. A new
+        # list, because the handler is iterating over the current one.
+        handler = trainer.callback_handler
+        handler.callbacks = [_JoinFirst(self), *handler.callbacks]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self._trainer is not None:
+            return
+        if _context.current() is not None:
+            raise RuntimeError("MonarchElasticCallback was added after Trainer.__init__: pass it as "
+                               "Trainer(..., callbacks=[MonarchElasticCallback()]) so it shapes the training data")
+        logger.warning_once(_INACTIVE)
+
+    def _build_loader(self, loader: DataLoader) -> DataLoader:
+        """The Trainer's training loader, re-cut by the global cursor; keeps its dataset, collator and workers."""
+        trainer, config = self._trainer, self._ctx.config
+        args = trainer.args
+        dataset = loader.dataset
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                "MonarchElasticCallback shards each global batch over the live replicas by sample index: give the "
+                "Trainer a map-style train_dataset (with __len__ and __getitem__), not an IterableDataset"
+            )
+        n = len(dataset)
+        self._global_batch = args.per_device_train_batch_size * config.replicas
+        self._accumulate = args.gradient_accumulation_steps
+        tail = n % self._global_batch
+        if tail and not args.dataloader_drop_last and tail < config.max_replicas:
+            raise ValueError(
+                f"per_device_train_batch_size={args.per_device_train_batch_size} x {config.replicas} replica(s) is a "
+                f"global batch of {self._global_batch}; over {n} samples each epoch ends with a batch of {tail}, "
+                f"which cannot be split over up to {config.max_replicas} replicas: choose a batch size that divides "
+                "the dataset more evenly, or set TrainingArguments(dataloader_drop_last=True)"
+            )
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        self._sampler = ElasticSampler(n, shuffle=args.train_sampling_strategy == "random", seed=seed,
+                                       drop_last=args.dataloader_drop_last)
+        self._dataset, self._collate = dataset, loader.collate_fn
+        workers = loader.num_workers
+        return DataLoader(
+            dataset, batch_sampler=_ElasticBatchSampler(self), collate_fn=loader.collate_fn, num_workers=workers,
+            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor if workers else None,
+            persistent_workers=loader.persistent_workers if workers else False,
+        )
+
+    # -- joining -------------------------------------------------------------------------------------------------
+
+    def _join_first(self, state) -> None:
+        """`on_train_begin`, ahead of every other callback: first generation, or heal as a replacement."""
+        if self._session is not None:
+            raise RuntimeError("MonarchElasticCallback trains one Trainer.train() per replica")
+        if self._sampler is None:
+            raise RuntimeError("the training DataLoader was not built by Trainer.get_train_dataloader: "
+                               "MonarchElasticCallback needs it to shard data over the replicas")
+        trainer = self._trainer
+        if isinstance(trainer.model_wrapped, DistributedDataParallel):
+            # accelerate wraps the model in DDP over this replica's own world of one proc: nothing to reduce, and
+            # its end-of-backward write-back would overwrite the cross-replica reduction.
+            trainer.model_wrapped.require_backward_grad_sync = False
+            trainer.model_wrapped.require_forward_param_sync = False
+        self._step = state.global_step  # > 0 when resuming from a checkpoint
+        self._sampler.load_state_dict(self._cursor_at(self._step))
+        self._session = ReplicaSession(self._ctx, _HealState(self))
+        self._reducer = GradientReducer(list(trainer.model.parameters()), self._session.device)
+        resumed_at = self._step
+        self._sync_generation(promote=False)
+        if self._step != resumed_at:  # a replacement healed from a peer mid-run
+            self._position = (self._sampler.epoch, self._sampler.cursor // self._global_batch)
+            _trainer_hooks.move_loop_counters(trainer, self._step)
+
+    def _cursor_at(self, step: int) -> dict:
+        """The sampler state after `step` committed steps: HF's own resume position, as a global cursor."""
+        per_epoch = self._sampler.steps_per_epoch(self._global_batch)
+        steps_per_epoch = max(-(-per_epoch // self._accumulate), 1)
+        epoch, done = divmod(step, steps_per_epoch)
+        cursor = min(done * self._accumulate * self._global_batch, self._sampler.num_samples)
+        return {"epoch": epoch, "cursor": cursor, "seed": self._sampler.seed, "num_samples": self._sampler.num_samples}
+
+    def _entry_position(self) -> tuple[int, int] | None:
+        return self._position
+
+    def _training_done(self) -> bool:
+        state = self._trainer.state
+        return state.max_steps > 0 and state.global_step >= state.max_steps
+
+    def _sync_generation(self, promote: bool = True) -> None:
+        """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
+        session = self._session
+        if not session.needs_join():
+            return
+        session.join(self._step)
+        trainer = self._trainer
+        state = trainer.state
+        promoted = self.is_main_replica and not state.is_world_process_zero
+        state.is_world_process_zero = state.is_local_process_zero = self.is_main_replica
+        if promote and promoted:
+            # The progress bar exists only where `on_train_begin` saw the main process; hand it over.
+            for callback in trainer.callback_handler.callbacks:
+                if isinstance(callback, ProgressCallback) and callback.training_bar is None:
+                    callback.on_train_begin(trainer.args, state, trainer.control)
+        if session.action == "checkpoint":
+            if self.is_main_replica:
+                path = _trainer_hooks.save_checkpoint(trainer)
+                self._ctx.events.emit("checkpoint", replica=self._ctx.replica_id, step=self._step, path=path)
+            raise StopReplica("the controller gave up; checkpoint written")
+
+    # -- the step transaction -------------------------------------------------------------------------------------
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if not self.active:
+            return
+        ctx = self._ctx
+        if ctx.fault and ctx.fault.applies(ctx.replica_id, self._step):
+            ctx.events.emit("fault_injected", replica=ctx.replica_id, step=self._step, mode=ctx.fault.mode,
+                            pid=os.getpid())
+            ctx.fault.fire()
+        self._session.flags.set_phase("compute", self._step)
+        remaining = self._sampler.steps_per_epoch(self._global_batch) - self._sampler.cursor // self._global_batch
+        self._micro_batches = min(self._accumulate, remaining)
+        self._substeps = 0
+        # DataLoader workers cut shares ahead of time; a share cut for an older generation is recomputed at commit.
+        session = self._session
+        self._armed = all(self._issued.get(self._key(j)) == (session.gen, self._share(j))
+                          for j in range(self._micro_batches))
+        if self._armed:
+            self._arm()
+
+    def _arm(self) -> None:
+        self._weight = self._window_weight()
+        self._session.begin_step(self._reducer, self._weight)
+        if self._micro_batches > 1:
+            self._no_sync = self._reducer.no_sync()
+            self._no_sync.__enter__()
+
+    def _leave_no_sync(self) -> None:
+        if self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        if not self.active:
+            return
+        self._substeps += 1
+        if self._substeps == self._micro_batches - 1:
+            self._leave_no_sync()  # the next micro-batch is the window's last: its backward reduces
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if not self.active:
+            return
+        self._leave_no_sync()
+        self._in_step = True
+        try:
+            self._commit(args)
+        finally:
+            self._in_step = False
+
+    def _commit(self, args) -> None:
+        """Reduce, or drop and redo the step on the new generation, until it commits (or a heal hands it over)."""
+        trainer, session = self._trainer, self._session
+        start, redo, redone = self._step, not self._armed, False
+        while True:
+            if redo:
+                self._sync_generation()
+                if self._step > start:
+                    # A peer committed this step while our reduction failed; the heal handed us its result. With
+                    # no gradients, HF's optimizer.step() that follows is a no-op; its scheduler step and
+                    # global_step increment bring this replica's own loop to where the donor's already is.
+                    trainer.model.zero_grad(set_to_none=True)
+                    self._committed_world = session.world
+                    return
+                self._redo_window()
+                redone = True
+            try:
+                session.reduce(self._reducer, self._weight, [])
+                break
+            except CollectiveInterrupted as e:
+                trainer.model.zero_grad(set_to_none=True)
+                self._ctx.events.emit("dropped_step", replica=self._ctx.replica_id, step=self._step,
+                                      gen=session.gen, reason=type(e).__name__)
+                redo = True
+        if redone and args.max_grad_norm is not None and args.max_grad_norm > 0:
+            trainer.accelerator.clip_grad_norm_(trainer.model_wrapped.parameters(), args.max_grad_norm)
+        for _ in range(self._micro_batches):
+            self._sampler.advance(self._global_batch)
+        done = (self._sampler.epoch, self._sampler.cursor)
+        self._issued = {k: v for k, v in self._issued.items() if k >= done}
+        self._step += 1
+        self._committed_world = session.world
+        if self._announced_gen != session.gen:
+            self._announced_gen = session.gen
+            self._ctx.events.emit("first_commit", replica=self._ctx.replica_id, gen=session.gen, step=start,
+                                  world=session.world)
+
+    def _redo_window(self) -> None:
+        """Recompute the step's micro-batches on this generation's shares; the last backward reduces."""
+        trainer = self._trainer
+        trainer.model.zero_grad(set_to_none=True)
+        batches = [self._collate([self._dataset[i] for i in self._share(j)]) for j in range(self._micro_batches)]
+        batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
+        self._arm()
+        for batch in batches[:-1]:
+            trainer.training_step(trainer.model_wrapped, batch, num_items)
+        self._leave_no_sync()
+        trainer.training_step(trainer.model_wrapped, batches[-1], num_items)
+
+    # -- data of the step in flight ---------------------------------------------------------------------------
+
+    def _key(self, j: int) -> tuple[int, int]:
+        return self._sampler.epoch, self._sampler.cursor + j * self._global_batch
+
+    def _micro_batch(self, j: int) -> list[int]:
+        start = self._sampler.cursor + j * self._global_batch
+        return self._sampler._epoch_order()[start : start + self._global_batch].tolist()
+
+    def _share(self, j: int) -> list[int]:
+        batch = self._micro_batch(j)
+        start, end = shard_bounds(len(batch), self._session.rank, self._session.world)
+        return batch[start:end]
+
+    def _window_weight(self) -> float:
+        """This replica's fraction of the step's samples, so the sum over replicas is the global-batch mean."""
+        mine = sum(len(self._share(j)) for j in range(self._micro_batches))
+        return mine / sum(len(self._micro_batch(j)) for j in range(self._micro_batches))
+
+    # -- between steps ----------------------------------------------------------------------------------------
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not self.active:
+            return
+        if not control.should_log and self._committed_world != self._logged_world:
+            self._trainer.log({})  # a resize between HF's logging steps gets a log line of its own
+        self._sync_generation()
+        control.should_save = control.should_save and self.is_main_replica
+
+    def _annotate_log(self, logs: dict) -> None:
+        """Training log lines (HF's, with the loss, and the resize lines above) carry the live replica count."""
+        if self.active and self._committed_world and (not logs or "loss" in logs):
+            logs["elastic/replicas"] = float(self._committed_world)
+            self._logged_world = self._committed_world
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.active:
+            control.should_save = control.should_save and self.is_main_replica
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Leave together once every live replica has committed the last step (a death here is healed first)."""
+        if not self.active or self._session is None:
+            return
+        while True:
+            self._sync_generation()
+            if self._session.finish():
+                break
+        self._session.close()
+
+
+class _JoinFirst(TrainerCallback):
+    """Runs `MonarchElasticCallback`'s join at the head of `on_train_begin`; see `on_init_end`."""
+
+    def __init__(self, owner: MonarchElasticCallback):
+        self.owner = owner
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.owner._join_first(state)
+
+
+class _ElasticBatchSampler:
+    """The training loader's batch sampler: this replica's share of each global micro-batch of the epoch.
+
+    Yields from the epoch's first micro-batch, like any batch sampler, so HF's resume path (which skips the
+    micro-batches already trained) positions it; every share is recorded with the generation it was cut for.
+    """
+
+    def __init__(self, owner: MonarchElasticCallback):
+        self.owner = owner
+
+    def __len__(self) -> int:
+        return self.owner._sampler.steps_per_epoch(self.owner._global_batch)
+
+    def __iter__(self):
+        owner = self.owner
+        sampler, size = owner._sampler, owner._global_batch
+        epoch, order = sampler.epoch, sampler._epoch_order()
+        for k in range(len(self)):
+            batch = order[k * size : (k + 1) * size].tolist()
+            session = owner._session
+            start, end = shard_bounds(len(batch), session.rank, session.world)
+            owner._issued[(epoch, k * size)] = (session.gen, batch[start:end])
+            yield batch[start:end]
+
+
+class _HealState:
+    """What a replacement (or a replica that dropped a step its peers committed) receives from a live peer.
+
+    A replacement heals in `on_train_begin`, before its epoch loop starts, and takes everything: weights,
+    optimizer and scheduler, the data cursor, `TrainerState` (global step, epoch, log history, best metric),
+    the stateful callbacks (early stopping) and the RNG. A survivor healed inside `on_pre_optimizer_step` is one
+    step behind: it takes the weights, the optimizer's state and the cursor, but keeps its own learning rates,
+    scheduler, `TrainerState` and RNG, because HF's loop is about to finish that same step and advance them
+    exactly as the donor's already did.
+    """
+
+    def __init__(self, owner: MonarchElasticCallback):
+        self.owner = owner
+
+    def state_dict(self) -> dict:
+        owner = self.owner
+        trainer = owner._trainer
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "step": owner._step,
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
+            "sampler": owner._sampler.state_dict(),
+            "trainer_state": {f.name: getattr(trainer.state, f.name) for f in dataclasses.fields(TrainerState)
+                              if f.name not in _OWN_STATE_FIELDS},
+            "callbacks": [(type(c).__name__, c.state()) for c in trainer.callback_handler.callbacks
+                          if isinstance(c, ExportableState)],
+            "rng": rng,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        owner = self.owner
+        trainer = owner._trainer
+        whole = not owner._in_step
+        trainer.model.load_state_dict(state["model"])
+        own = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        owner._sampler.load_state_dict(state["sampler"])
+        owner._step = state["step"]
+        if not whole:
+            for group, hyper in zip(trainer.optimizer.param_groups, own):
+                group.update(hyper)
+            return
+        if state["lr_scheduler"] is not None:
+            trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        for name, value in state["trainer_state"].items():
+            setattr(trainer.state, name, value)
+        mine = [c for c in trainer.callback_handler.callbacks if isinstance(c, ExportableState)]
+        for (name, saved), callback in zip(state["callbacks"], mine):
+            if type(callback).__name__ == name:
+                for attribute, value in saved.get("attributes", {}).items():
+                    setattr(callback, attribute, value)
+        rng = state["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _check_arguments(trainer, ctx) -> None:
+    """Reject, naming the fix, what the elastic step cannot honour; runs in Trainer.__init__, before training."""
+    args, config = trainer.args, ctx.config
+    if args.deepspeed or getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError(
+            "DeepSpeed is not supported by MonarchElasticCallback: ZeRO partitions the optimizer across a fixed set "
+            "of ranks, while elastic replicas come and go. Remove `deepspeed=` from TrainingArguments; each replica "
+            "then holds the whole model and optimizer, as with DDP"
+        )
+    if args.fsdp or getattr(trainer, "is_fsdp_enabled", False):
+        raise ValueError("FSDP is not supported by MonarchElasticCallback: remove `fsdp=` from TrainingArguments")
+    if ctx.procs_per_replica > 1:
+        raise ValueError(
+            f"MonarchElasticCallback runs one process per replica, got --procs-per-replica "
+            f"{ctx.procs_per_replica}: drop the flag"
+        )
+    if config.batch_policy != "constant_global":
+        raise ValueError(
+            f"MonarchElasticCallback keeps the global batch constant (HF's steps per epoch are fixed when "
+            f"train() starts), got --batch-policy {config.batch_policy}: drop the flag"
+        )
+    if args.train_sampling_strategy not in ("random", "sequential"):
+        raise ValueError(
+            f"train_sampling_strategy={args.train_sampling_strategy!r} is not supported by MonarchElasticCallback, "
+            "whose sampler cuts each global batch from one permutation: use 'random' or 'sequential'"
+        )
+    if args.save_strategy == "best":
+        raise ValueError(
+            "save_strategy='best' is not supported by MonarchElasticCallback (only one replica may write, and HF "
+            "decides 'best' saves after every callback ran): use save_strategy='steps' or 'epoch' with "
+            "load_best_model_at_end=True"
+        )
+    for name, why in (("auto_find_batch_size", "it changes the global batch mid-run"),
+                      ("ignore_data_skip", "a replacement enters the epoch by skipping what its peers trained")):
+        if getattr(args, name):
+            raise ValueError(f"{name}=True is not supported by MonarchElasticCallback ({why}): remove it")
+    if args.n_gpu > 1:
+        raise ValueError(f"one device per replica: this replica sees {args.n_gpu} GPUs (DataParallel)")
+    if args.per_device_train_batch_size * config.replicas < config.max_replicas:
+        raise ValueError(
+            f"per_device_train_batch_size={args.per_device_train_batch_size} x {config.replicas} replica(s) is a "
+            f"global batch of {args.per_device_train_batch_size * config.replicas} samples, which cannot be split "
+            f"over up to {config.max_replicas} replicas: raise per_device_train_batch_size"
+        )
+
+
+def weights_checksum(model: torch.nn.Module) -> str:
+    """A short digest of a model's weights, to show that every replica ends bitwise identical."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
