@@ -171,6 +171,8 @@ class ElasticController:
             "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": str(k),
             "LOCAL_WORLD_SIZE": str(k),
+            # torchrun's default: replicas share the host's cores, and a thread pool per core each thrashes.
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             **(self._gpus.env_for_slot(replica.slot) if self._gpus else {}),
         }
         try:

@@ -17,19 +17,13 @@ in Wonderland*, 1865, public domain).
 from __future__ import annotations
 
 import argparse
-import os
 
-# One thread per replica process, as torchrun sets it for its workers: several replicas share this host's cores.
-# The variable keeps accelerate from choosing a count of its own; torch is already initialised in a monarch-run
-# replica, so it is also told directly (or start `OMP_NUM_THREADS=1 monarch-run ...`).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch
+from torch.utils.data import Dataset
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-import torch  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
-
-from monarch_plugin import worker_context  # noqa: E402
-from monarch_plugin.integrations.hf import MonarchElasticCallback, weights_checksum  # noqa: E402
+from monarch_plugin import worker_context
+from monarch_plugin.integrations.hf import MonarchElasticCallback, weights_checksum
 
 CORPUS = """\
 Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once
@@ -85,7 +79,6 @@ def sample(model: GPT2LMHeadModel, data: Characters, prompt: str, length: int) -
 
 
 def main() -> None:
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (x replicas = global batch)")

@@ -12,6 +12,7 @@ import socket
 import time
 import traceback
 
+import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from monarch_plugin.target import Target
@@ -50,6 +51,8 @@ class ReplicaActor(Actor):
         local_rank = current_rank().rank  # position in this replica's ProcMesh
         os.environ.update(env)
         os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
+        # torch sized its thread pool when this process imported it, before the environment above arrived.
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     @endpoint
     def run(self, target: Target) -> dict:
