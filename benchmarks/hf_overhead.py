@@ -17,27 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from side_by_side import alternate, row
+
 HERE = Path(__file__).resolve().parent
-WARMUP = 10
 SIZES = {"gpt2-tiny": dict(n_embd=32, n_layer=2, n_head=2), "gpt2-4m": dict(n_embd=256, n_layer=4, n_head=4),
          "gpt2-20m": dict(n_embd=512, n_layer=6, n_head=8)}
 VOCAB, SEQ = 2048, 128
-
-
-def _median_step(path: Path, steps: int) -> float:
-    ts = [float(line.split()[1]) for line in path.read_text().splitlines() if line]
-    if len(ts) != steps:
-        raise RuntimeError(f"{path} has {len(ts)} steps, expected {steps}")
-    ts = ts[WARMUP:]
-    return statistics.median(b - a for a, b in zip(ts, ts[1:]))
 
 
 def train(size: str, steps: int, batch: int, work: Path) -> None:
@@ -94,24 +84,11 @@ def main() -> None:
         "monarch-run": [sys.executable, "-m", "monarch_plugin.cli", "--replicas", str(args.replicas),
                         "--events", "events.jsonl", __file__],
     }
-    # torchrun sets OMP_NUM_THREADS=1 for its workers; monarch-run does not, and accelerate would then give each
-    # replica cores / 2 threads: the same one thread per process on both sides.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # One thread per process on both sides (both launchers' default), whatever this shell says.
+    env = {"OMP_NUM_THREADS": "1"}
+    commands = {side: [*launcher, *script, "--work", "."] for side, launcher in launchers.items()}
     results = {"replicas": args.replicas, "steps": args.steps, "size": args.size, "batch_per_replica": args.batch,
-               "repeats": args.repeats, **{side: {"step_s": [], "wall_s": []} for side in launchers}}
-    for repeat in range(args.repeats):  # alternating, so a slow spell of the machine hits both sides
-        for side, launcher in launchers.items():
-            run = work / f"{side}-{repeat}"
-            run.mkdir()
-            t0 = time.monotonic()
-            with open(run / "log.txt", "w") as log:
-                subprocess.run([*launcher, *script, "--work", str(run)], check=True, cwd=run, stdout=log,
-                               stderr=subprocess.STDOUT, env=env)
-            results[side]["wall_s"].append(time.monotonic() - t0)
-            results[side]["step_s"].append(_median_step(run / "steps.txt", args.steps))
-            print(json.dumps({side: {k: v[-1] for k, v in results[side].items()}}), flush=True)
-    for side in launchers:
-        results[side]["median_step_s"] = statistics.median(results[side]["step_s"])
+               "repeats": args.repeats, **alternate(commands, args.repeats, args.steps, work, env)}
     results["ratio"] = results["monarch-run"]["median_step_s"] / results["torchrun"]["median_step_s"]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hf_overhead.json").write_text(json.dumps(results, indent=2))
@@ -119,17 +96,12 @@ def main() -> None:
 
 
 def table(r: dict) -> str:
-    def row(side: str) -> str:
-        each = ", ".join(f"{x * 1000:.0f}" for x in r[side]["step_s"])
-        walls = ", ".join(f"{x:.1f}" for x in r[side]["wall_s"])
-        return f"| `{side}` | {r[side]['median_step_s'] * 1000:.0f} ms | {each} | {walls} |"
-
     return "\n".join([
         f"| {r['size']}, {r['replicas']} CPU replicas, batch {r['batch_per_replica']}/replica, {r['steps']} steps "
         "| median step | per run (ms) | whole launch per run (s) |",
         "|---|---|---|---|",
-        row("torchrun"),
-        row("monarch-run"),
+        row("`torchrun`", r["torchrun"]),
+        row("`monarch-run`", r["monarch-run"]),
         f"| ratio monarch-run / torchrun | {r['ratio']:.2f} | | |",
     ])
 

@@ -7,7 +7,7 @@ data, batch and optimizer, on the same CPU devices, once with Lightning's own DD
 `MonarchStrategy`. One invocation runs both sides one after the other (each as its own `python` process, as a
 user would start it: DDP's launcher re-executes that command for its other ranks, the Monarch strategy makes
 it the controller), alternating `--repeats` times, so the ratio shares one machine state. Rank 0 of each run
-appends "<global step> <unix time>" per step to its steps-<side>.txt; a run's step time is the median interval
+appends "<global step> <unix time>" per step to its steps.txt; a run's step time is the median interval
 after a warm-up, a side's the median over its runs. Writes <out>/lightning_overhead.json and prints a markdown
 table (pasted into docs/benchmarks.md).
 """
@@ -17,22 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from side_by_side import alternate, row
+
 HERE = Path(__file__).resolve().parent
-WARMUP = 10
-
-
-def _median_step(path: Path, steps: int) -> float:
-    ts = [float(line.split()[1]) for line in path.read_text().splitlines() if line]
-    if len(ts) != steps:
-        raise RuntimeError(f"{path} has {len(ts)} steps, expected {steps}")
-    ts = ts[WARMUP:]
-    return statistics.median(b - a for a, b in zip(ts, ts[1:]))
 
 
 def run_side(side: str, devices: int, steps: int, size: str, batch: int, work: Path) -> None:
@@ -52,7 +43,7 @@ def run_side(side: str, devices: int, steps: int, size: str, batch: int, work: P
     class StepClock(pl.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.is_global_zero:
-                with open(work / f"steps-{side}.txt", "a") as f:
+                with open(work / "steps.txt", "a") as f:
                     f.write(f"{trainer.global_step} {time.time()}\n")
 
     class MLP(pl.LightningModule):
@@ -98,21 +89,12 @@ def main() -> None:
         return
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
+    side_args = ["--devices", str(args.devices), "--steps", str(args.steps), "--size", args.size, "--batch",
+                 str(args.batch)]
+    commands = {side: [sys.executable, __file__, "--side", side, *side_args, "--work", "."]
+                for side in ("ddp", "monarch")}
     results = {"devices": args.devices, "steps": args.steps, "size": args.size, "batch_per_device": args.batch,
-               "repeats": args.repeats, "ddp": {"step_s": [], "wall_s": []}, "monarch": {"step_s": [], "wall_s": []}}
-    for repeat in range(args.repeats):  # alternating, so a slow spell of the machine hits both sides
-        for side in ("ddp", "monarch"):
-            run = work / f"{side}-{repeat}"
-            run.mkdir()
-            t0 = time.monotonic()
-            subprocess.run([sys.executable, __file__, "--side", side, "--devices", str(args.devices), "--steps",
-                            str(args.steps), "--size", args.size, "--batch", str(args.batch), "--work", str(run)],
-                           check=True, cwd=run)
-            results[side]["wall_s"].append(time.monotonic() - t0)
-            results[side]["step_s"].append(_median_step(run / f"steps-{side}.txt", args.steps))
-            print(json.dumps({side: {k: v[-1] for k, v in results[side].items()}}), flush=True)
-    for side in ("ddp", "monarch"):
-        results[side]["median_step_s"] = statistics.median(results[side]["step_s"])
+               "repeats": args.repeats, **alternate(commands, args.repeats, args.steps, work)}
     results["ratio"] = results["monarch"]["median_step_s"] / results["ddp"]["median_step_s"]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "lightning_overhead.json").write_text(json.dumps(results, indent=2))
@@ -120,17 +102,12 @@ def main() -> None:
 
 
 def table(r: dict) -> str:
-    def row(side: str) -> str:
-        each = ", ".join(f"{x * 1000:.0f}" for x in r[side]["step_s"])
-        walls = ", ".join(f"{x:.1f}" for x in r[side]["wall_s"])
-        return f"| `strategy=\"{side}\"` | {r[side]['median_step_s'] * 1000:.0f} ms | {each} | {walls} |"
-
     return "\n".join([
         f"| {r['size']} MLP, {r['devices']} CPU devices, batch {r['batch_per_device']}/device, {r['steps']} steps "
         "| median step | per run (ms) | whole `python train.py` per run (s) |",
         "|---|---|---|---|",
-        row("ddp"),
-        row("monarch"),
+        row('`strategy="ddp"`', r["ddp"]),
+        row('`strategy="monarch"`', r["monarch"]),
         f"| ratio monarch / ddp | {r['ratio']:.2f} | | |",
     ])
 
