@@ -16,13 +16,12 @@ docs/hf.md).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from side_by_side import alternate, row
+from side_by_side import alternate, report
 
 HERE = Path(__file__).resolve().parent
 SIZES = {"gpt2-tiny": dict(n_embd=32, n_layer=2, n_head=2), "gpt2-4m": dict(n_embd=256, n_layer=4, n_head=4),
@@ -89,21 +88,9 @@ def main() -> None:
     commands = {side: [*launcher, *script, "--work", "."] for side, launcher in launchers.items()}
     results = {"replicas": args.replicas, "steps": args.steps, "size": args.size, "batch_per_replica": args.batch,
                "repeats": args.repeats, **alternate(commands, args.repeats, args.steps, work, env)}
-    results["ratio"] = results["monarch-run"]["median_step_s"] / results["torchrun"]["median_step_s"]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "hf_overhead.json").write_text(json.dumps(results, indent=2))
-    print(table(results))
-
-
-def table(r: dict) -> str:
-    return "\n".join([
-        f"| {r['size']}, {r['replicas']} CPU replicas, batch {r['batch_per_replica']}/replica, {r['steps']} steps "
-        "| median step | per run (ms) | whole launch per run (s) |",
-        "|---|---|---|---|",
-        row("`torchrun`", r["torchrun"]),
-        row("`monarch-run`", r["monarch-run"]),
-        f"| ratio monarch-run / torchrun | {r['ratio']:.2f} | | |",
-    ])
+    header = f"{args.size}, {args.replicas} CPU replicas, batch {args.batch}/replica, {args.steps} steps"
+    print(report(results, {"torchrun": "`torchrun`", "monarch-run": "`monarch-run`"}, header, Path(args.out),
+                 "hf_overhead"))
 
 
 if __name__ == "__main__":

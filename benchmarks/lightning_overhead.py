@@ -15,13 +15,12 @@ table (pasted into docs/benchmarks.md).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
-from side_by_side import alternate, row
+from side_by_side import alternate, report
 
 HERE = Path(__file__).resolve().parent
 
@@ -95,21 +94,9 @@ def main() -> None:
                 for side in ("ddp", "monarch")}
     results = {"devices": args.devices, "steps": args.steps, "size": args.size, "batch_per_device": args.batch,
                "repeats": args.repeats, **alternate(commands, args.repeats, args.steps, work)}
-    results["ratio"] = results["monarch"]["median_step_s"] / results["ddp"]["median_step_s"]
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "lightning_overhead.json").write_text(json.dumps(results, indent=2))
-    print(table(results))
-
-
-def table(r: dict) -> str:
-    return "\n".join([
-        f"| {r['size']} MLP, {r['devices']} CPU devices, batch {r['batch_per_device']}/device, {r['steps']} steps "
-        "| median step | per run (ms) | whole `python train.py` per run (s) |",
-        "|---|---|---|---|",
-        row('`strategy="ddp"`', r["ddp"]),
-        row('`strategy="monarch"`', r["monarch"]),
-        f"| ratio monarch / ddp | {r['ratio']:.2f} | | |",
-    ])
+    header = f"{args.size} MLP, {args.devices} CPU devices, batch {args.batch}/device, {args.steps} steps"
+    print(report(results, {"ddp": '`strategy="ddp"`', "monarch": '`strategy="monarch"`'}, header, Path(args.out),
+                 "lightning_overhead"))
 
 
 if __name__ == "__main__":

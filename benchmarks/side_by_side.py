@@ -45,8 +45,24 @@ def alternate(commands: dict[str, list[str]], repeats: int, steps: int, work: Pa
     return results
 
 
-def row(label: str, side: dict) -> str:
-    """A markdown table row: the side's median step, each run's, and each whole launch."""
-    each = ", ".join(f"{x * 1000:.0f}" for x in side["step_s"])
-    walls = ", ".join(f"{x:.1f}" for x in side["wall_s"])
-    return f"| {label} | {side['median_step_s'] * 1000:.0f} ms | {each} | {walls} |"
+def report(results: dict, labels: dict[str, str], header: str, out: Path, name: str) -> str:
+    """Add the ratio of the second side to the first, write `<out>/<name>.json`, return the markdown table.
+
+    `labels` maps each side (baseline first) to its row label; `header` names the job in the first cell."""
+    (baseline, base_label), (elastic, elastic_label) = labels.items()
+    results["ratio"] = results[elastic]["median_step_s"] / results[baseline]["median_step_s"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+
+    def row(side: str) -> str:
+        each = ", ".join(f"{x * 1000:.0f}" for x in results[side]["step_s"])
+        walls = ", ".join(f"{x:.1f}" for x in results[side]["wall_s"])
+        return f"| {labels[side]} | {results[side]['median_step_s'] * 1000:.0f} ms | {each} | {walls} |"
+
+    return "\n".join([
+        f"| {header} | median step | per run (ms) | whole launch per run (s) |",
+        "|---|---|---|---|",
+        row(baseline),
+        row(elastic),
+        f"| ratio {elastic} / {baseline} | {results['ratio']:.2f} | | |",
+    ])
