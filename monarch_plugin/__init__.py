@@ -4,6 +4,7 @@ The controller side (`ElasticController`, `monarch-run`) spawns and supervises r
 side (`ElasticLoop`, and the framework integrations built on the same session) trains inside them.
 """
 
+from monarch_plugin.checksum import weights_checksum
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.controller import ElasticController, RunResult
 from monarch_plugin.errors import BackendUnavailableError, ConfigError, ElasticRunAborted, ReplicaCodeError
@@ -29,5 +30,6 @@ __all__ = [
     "Step",
     "Target",
     "read_events",
+    "weights_checksum",
     "worker_context",
 ]

@@ -13,7 +13,6 @@ how many times each sample of each epoch took part in a committed step.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -21,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from monarch_plugin import ElasticLoop, worker_context
+from monarch_plugin import ElasticLoop, weights_checksum, worker_context
 
 
 def make_data(n: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,14 +28,6 @@ def make_data(n: int, dim: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tens
     x = torch.randn(n, dim, generator=g)
     w = torch.randn(dim, 1, generator=g)
     return x, x @ w + 0.1 * torch.randn(n, 1, generator=g)
-
-
-def checksum(model: nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def main() -> None:
@@ -84,7 +75,7 @@ def main() -> None:
             with open(os.path.join(args.out, f"progress-{replica}"), "w") as f:
                 f.write(str(loop.step))
 
-    digest = checksum(model)
+    digest = weights_checksum(model)
     print(f"[replica {replica}] done at step {loop.step}: weights {digest}", flush=True)
     if args.out:
         result = {"replica": replica, "step": loop.step, "checksum": digest, "pid": os.getpid(),

@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from monarch_plugin import worker_context
-from monarch_plugin.integrations.hf import MonarchElasticCallback, weights_checksum
+from monarch_plugin import weights_checksum, worker_context
+from monarch_plugin.integrations.hf import MonarchElasticCallback
 
 CORPUS = """\
 Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: once

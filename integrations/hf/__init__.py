@@ -5,6 +5,6 @@ runtime's step transaction, owns the sharding of data over the live replicas, an
 peer. Under plain `python` it is inactive and the script trains as usual.
 """
 
-from monarch_plugin.integrations.hf.callback import MonarchElasticCallback, weights_checksum
+from monarch_plugin.integrations.hf.callback import MonarchElasticCallback
 
-__all__ = ["MonarchElasticCallback", "weights_checksum"]
+__all__ = ["MonarchElasticCallback"]

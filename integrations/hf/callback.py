@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import random
 from typing import Any
@@ -48,7 +47,7 @@ from monarch_plugin.worker.collectives import CollectiveInterrupted
 from monarch_plugin.worker.reducer import GradientReducer
 from monarch_plugin.worker.session import ReplicaSession, StopReplica
 
-__all__ = ["MonarchElasticCallback", "weights_checksum"]
+__all__ = ["MonarchElasticCallback"]
 
 logger = logging.get_logger(__name__)
 
@@ -536,12 +535,3 @@ def _check_arguments(trainer, ctx) -> None:
             f"global batch of {args.per_device_train_batch_size * config.replicas} samples, which cannot be split "
             f"over up to {config.max_replicas} replicas: raise per_device_train_batch_size"
         )
-
-
-def weights_checksum(model: torch.nn.Module) -> str:
-    """A short digest of a model's weights, to show that every replica ends bitwise identical."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]

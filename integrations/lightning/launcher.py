@@ -10,7 +10,6 @@ under `ElasticController`, so one dying costs the others a step, not the run. No
 
 from __future__ import annotations
 
-import hashlib
 import io
 from typing import Any, Callable
 
@@ -22,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from monarch_plugin.checksum import state_checksum
 from monarch_plugin.controller import ElasticController
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import read_events
@@ -146,16 +146,3 @@ class _FitInReplica:
             "best_model_path": getattr(trainer.checkpoint_callback, "best_model_path", None),
             "results": results,
         }
-
-
-def weights_checksum(module: torch.nn.Module) -> str:
-    """A short digest of a module's weights, to show that every replica ends bitwise identical."""
-    return state_checksum(module.state_dict())
-
-
-def state_checksum(state: dict) -> str:
-    h = hashlib.sha256()
-    for name, t in sorted(state.items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]

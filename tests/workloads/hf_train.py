@@ -36,8 +36,8 @@ from torch import nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from monarch_plugin import worker_context  # noqa: E402
-from monarch_plugin.integrations.hf import MonarchElasticCallback, weights_checksum  # noqa: E402
+from monarch_plugin import weights_checksum, worker_context  # noqa: E402
+from monarch_plugin.integrations.hf import MonarchElasticCallback  # noqa: E402
 
 
 class Tokens(Dataset):

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from monarch_plugin import worker_context
 from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy
-from monarch_plugin.integrations.lightning.launcher import weights_checksum
+from monarch_plugin import weights_checksum
 
 
 class Regression(Dataset):
