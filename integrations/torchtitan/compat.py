@@ -150,7 +150,7 @@ def _flex_attention_by_sdpa_impl(query, key, value, *, score_mod=None, block_mas
     from torch.nn.attention.flex_attention import AuxOutput, create_mask
 
     if score_mod is not None or (return_aux is not None and any(return_aux)):
-        raise NotImplementedError(
+        raise ValueError(
             "monarch_plugin's CPU FlexAttention stand-in (torch 2.13 has no FlexAttention backward on CPU) "
             "covers mask_mod attention only, not score_mod or auxiliary outputs: use a model without them "
             "on CPU"
