@@ -138,7 +138,7 @@ def test_fsdp_replica_loses_one_proc_and_is_replaced_whole(lightning_run):
 def test_the_same_script_under_monarch_run_trains_in_place_and_survives_a_sigkill(elastic_run):
     run = elastic_run()
     run.start("--replicas", "2", "--min-replicas", "1", "--join-timeout", "120", script=WORKLOAD,
-              script_args=("--out", str(run.out), "--devices", "2", "--epochs", "8", "--samples", "96",
+              script_args=("--out", str(run.out), "--devices", "2", "--epochs", "16", "--samples", "96",
                            "--batch", "8", "--step-sleep", "0.1"))
     run.wait_for(lambda: run.progress(1) >= 4, timeout=150, what="replica 1 to reach step 4")
     os.kill(run.pids()[1][0], signal.SIGKILL)
@@ -146,7 +146,7 @@ def test_the_same_script_under_monarch_run_trains_in_place_and_survives_a_sigkil
 
     results = run.results()  # every replica ran the script to its end and wrote what its fit returned
     assert set(results) == {0, 2}, run.output
-    assert {r["global_step"] for r in results.values()} == {8 * 96 // 16}
+    assert {r["global_step"] for r in results.values()} == {16 * 96 // 16}
     assert len({r["checksum"] for r in results.values()}) == 1
     _every_sample_once_per_epoch(results[0])
     assert [q["members"] for q in run.events("quorum")] == [[0, 1], [0], [0, 2]]
