@@ -85,7 +85,8 @@ class ElasticConfig:
     """Where the durable checkpoint is written when the run gives up (one writer)."""
 
     fault: str | None = None
-    """Opt-in fault injection for demos, tests and benchmarks, e.g. "sigkill:replica=1:step=20"; see
+    """Opt-in fault injection for demos, tests and benchmarks, e.g. "sigkill:replica=1:step=20", or several
+    joined by commas, at steps or at points of the recovery ("sigkill:replica=3:at=construct"); see
     ``monarch_plugin.faults``. None: ``$MONARCH_PLUGIN_FAULT`` or no fault."""
 
     env: dict[str, str] = field(default_factory=dict)
@@ -140,9 +141,9 @@ class ElasticConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.fault:
-            from monarch_plugin.faults import FaultSpec
+            from monarch_plugin.faults import parse_faults
 
-            FaultSpec.parse(self.fault)
+            parse_faults(self.fault)
 
     def to_env(self) -> dict[str, str]:
         """The settings a worker needs, as environment variables (they cross the process boundary)."""

@@ -377,14 +377,21 @@ class ElasticController:
             if any(s["phase"] not in ("reduce", "finish", "join") and s["now"] - s["since"] >
                    self.config.collective_timeout_s for s in statuses):
                 suspects.append(replica)
+        how = "hang"
+        if not suspects and self.store.check([f"{key}/heal"]):
+            # A heal past its bound with every member responsive: its recipients are the ones that cannot
+            # be brought up to date; they go (and are replaced), the trained members keep training.
+            how = "hang (heal stalled)"
+            recipients = json.loads(self.store.get(f"{key}/heal"))
+            suspects = [self.replicas[r] for r in recipients if self.replicas[r].state == "member"]
         if not suspects:
             self._announce(list(self.members), reason="stalled reduction, all members responsive",
                            interrupt=True)
             return
         for replica in suspects:
-            self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen)
+            self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how)
             _kill(replica)
-            self._on_death(replica, "hang")
+            self._on_death(replica, how)
 
     # -- generations ---------------------------------------------------------------------------------------
 

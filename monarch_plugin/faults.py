@@ -1,14 +1,30 @@
 """Opt-in fault injection, for demos, tests and benchmarks of recovery.
 
-A fault is a string so it can travel through a CLI flag or an environment variable::
+A fault is a string so it can travel through a CLI flag or an environment variable; several are joined
+with commas::
 
     sigkill:replica=1:step=20     SIGKILL the replica's own process at the start of global step 20
     exit:replica=0:step=5         os._exit(1) (a crash that skips Python cleanup)
-    hang:replica=2:step=7         stop making progress (sleep) inside the step
-    raise:step=3                  raise an exception (a bug in user code; every replica if no replica=)
+    segv:replica=0:step=5         SIGSEGV (a crash in native code)
+    hang:replica=2:step=7         stop making progress (sleep) inside the step; the process stays reachable
+    stop:replica=2:step=7         SIGSTOP: the whole process freezes, as a stall from outside would
+    raise:step=3                  raise an exception (a bug in user code; every initial replica if no replica=)
 
-Only replicas spawned at the start of the run are hit, so a replacement does not die again. Nothing fires
-unless a fault is configured (``--fault`` / ``ElasticConfig.fault`` / ``$MONARCH_PLUGIN_FAULT``).
+`at=` moves the fault from the start of a step to a point of the recovery protocol, the first time the
+replica reaches it (after its committed step reaches `step=`, when given):
+
+    arrived          the generation's arrival barrier passed, its group not yet built
+    construct        inside the generation's group construction (its own address published)
+    heal_donor       serving its state to a newcomer, after the header, before the tensors
+    heal_recipient   receiving state, after the header, before the tensors
+
+    sigkill:replica=3:at=construct,sigkill:replica=4:at=arrived
+
+A fault that names `replica=` hits that replica id, a replacement or a spare included (ids are given in
+spawn order: the initial replicas, then the spares, then each replacement). One without `replica=` hits
+only replicas spawned at the start, so a replacement that heals past the step does not die again. Each
+fault fires at most once per process. Nothing fires unless a fault is configured (``--fault`` /
+``ElasticConfig.fault`` / ``$MONARCH_PLUGIN_FAULT``).
 """
 
 from __future__ import annotations
@@ -20,9 +36,10 @@ from dataclasses import dataclass
 
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["FaultSpec", "InjectedFault"]
+__all__ = ["FaultSpec", "InjectedFault", "parse_faults", "MODES", "POINTS"]
 
-MODES = ("sigkill", "exit", "hang", "raise")
+MODES = ("sigkill", "exit", "segv", "hang", "stop", "raise")
+POINTS = ("step", "arrived", "construct", "heal_donor", "heal_recipient")
 
 
 class InjectedFault(RuntimeError):
@@ -32,8 +49,9 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class FaultSpec:
     mode: str
-    step: int
+    step: int | None = None
     replica: int | None = None
+    at: str = "step"
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -43,25 +61,51 @@ class FaultSpec:
             raise ConfigError(f"unknown fault mode {mode!r} in {text!r}: choose one of {', '.join(MODES)}")
         for part in parts[1:]:
             key, sep, value = part.partition("=")
+            if key == "at" and sep:
+                if value not in POINTS:
+                    raise ConfigError(f"unknown fault point at={value!r} in {text!r}: choose one of {', '.join(POINTS)}")
+                fields["at"] = value
+                continue
             if not sep or key not in ("replica", "step") or not value.lstrip("-").isdigit():
                 raise ConfigError(
-                    f"bad fault field {part!r} in {text!r}: write it as e.g. 'sigkill:replica=1:step=20'"
+                    f"bad fault field {part!r} in {text!r}: write it as e.g. 'sigkill:replica=1:step=20' "
+                    "or 'sigkill:replica=3:at=construct'"
                 )
             fields[key] = int(value)
-        if "step" not in fields:
-            raise ConfigError(f"fault {text!r} needs a step, e.g. '{mode}:replica=1:step=20'")
-        return cls(mode=mode, step=fields["step"], replica=fields.get("replica"))
+        if fields.get("at", "step") == "step" and "step" not in fields:
+            raise ConfigError(f"fault {text!r} needs a step, e.g. '{mode}:replica=1:step=20', or a point (at=)")
+        return cls(mode=mode, **fields)
 
-    def applies(self, replica_id: int, step: int) -> bool:
-        return step == self.step and (self.replica is None or self.replica == replica_id)
+    def targets(self, replica_id: int, initial: bool) -> bool:
+        """Whether this replica may be hit at all (see the module docstring)."""
+        return self.replica == replica_id if self.replica is not None else initial
+
+    def applies(self, replica_id: int, step: int, at: str = "step") -> bool:
+        if at != self.at or (self.replica is not None and self.replica != replica_id):
+            return False
+        if at == "step":
+            return step == self.step
+        return self.step is None or step >= self.step
 
     def fire(self) -> None:
         """Act out the fault in the calling process."""
         if self.mode == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif self.mode == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        elif self.mode == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # continued from outside (SIGCONT): carry on, as a process that was only stalled
         elif self.mode == "exit":
             os._exit(1)
         elif self.mode == "hang":
             while True:
                 time.sleep(3600)
-        raise InjectedFault(f"injected fault {self.mode} at step {self.step}")
+        raise InjectedFault(f"injected fault {self.mode} at {self.at if self.at != 'step' else f'step {self.step}'}")
+
+
+def parse_faults(text: str | None) -> tuple[FaultSpec, ...]:
+    """Every fault of a comma-separated list; ConfigError (naming the bad one) on any mistake."""
+    if not text:
+        return ()
+    return tuple(FaultSpec.parse(part) for part in text.split(",") if part.strip())

@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--batch", type=int, default=32, help="global batch size")
-    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step, standing in for a bigger model")
     p.add_argument("--out", default=None, help="directory for per-replica results (tests)")

@@ -15,7 +15,8 @@ from monarch_plugin.backend import resolve_backend
 from monarch_plugin.devices import plan_gpus
 from monarch_plugin.errors import BackendUnavailableError
 from monarch_plugin.sampler import shard_bounds
-from monarch_plugin.worker.heal import plan_heal
+from monarch_plugin.faults import parse_faults
+from monarch_plugin.worker.heal import ASSUMED_BYTES_PER_S, HEAL_FLOOR_S, heal_bound_s, plan_heal
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.timeout(60)
         (dict(collective_timeout_s=0), "positive number of seconds"),
         (dict(fault="explode:step=3"), "unknown fault mode"),
         (dict(fault="sigkill:replica=1"), "needs a step"),
+        (dict(fault="sigkill:replica=1:step=3,boom:step=4"), "unknown fault mode 'boom'"),
     ],
 )
 def test_bad_config_names_the_fix(kwargs, message):
@@ -76,9 +78,34 @@ def test_each_replica_slot_sees_its_own_gpus():
 
 def test_fault_spec_parsing():
     spec = FaultSpec.parse("sigkill:replica=1:step=20")
-    assert (spec.mode, spec.replica, spec.step) == ("sigkill", 1, 20)
+    assert (spec.mode, spec.replica, spec.step, spec.at) == ("sigkill", 1, 20, "step")
     assert spec.applies(1, 20) and not spec.applies(0, 20) and not spec.applies(1, 19)
+    assert not spec.applies(1, 20, at="construct")
     assert FaultSpec.parse("raise:step=3").applies(7, 3)
+
+
+def test_fault_points_and_lists():
+    faults = parse_faults("sigkill:replica=1:step=5, stop:replica=3:at=construct,hang:replica=0:at=heal_donor:step=2")
+    assert [(f.mode, f.replica, f.at, f.step) for f in faults] == [
+        ("sigkill", 1, "step", 5), ("stop", 3, "construct", None), ("hang", 0, "heal_donor", 2)]
+    construct, donor = faults[1], faults[2]
+    assert construct.applies(3, 0, at="construct") and construct.applies(3, 99, at="construct")
+    assert not construct.applies(3, 0, at="arrived") and not construct.applies(4, 0, at="construct")
+    assert not donor.applies(0, 1, at="heal_donor") and donor.applies(0, 2, at="heal_donor")  # after step 2
+    # Named replicas are hit even as replacements; unnamed faults only hit the replicas spawned at the start.
+    assert construct.targets(3, initial=False) and not construct.targets(2, initial=True)
+    unnamed = FaultSpec.parse("raise:step=3")
+    assert unnamed.targets(0, initial=True) and not unnamed.targets(5, initial=False)
+    assert parse_faults(None) == () and parse_faults("") == ()
+    with pytest.raises(ConfigError, match="unknown fault point at='somewhere'.*choose one of step, arrived"):
+        parse_faults("sigkill:replica=1:step=5,sigkill:at=somewhere")
+
+
+def test_heal_bound_follows_the_state_size_and_the_measured_rate():
+    assert heal_bound_s(1_000_000, None) == HEAL_FLOOR_S  # small state: the floor
+    assert heal_bound_s(10**9, 1e9) == HEAL_FLOOR_S  # 1 GB at a measured 1 GB/s: 4 s, so the floor
+    assert heal_bound_s(100 * 10**9, 1e9) == pytest.approx(400.0)  # a big state is not cut off at 60 s
+    assert heal_bound_s(10**9, None) == pytest.approx(4 * 10**9 / ASSUMED_BYTES_PER_S)  # no rate measured yet
 
 
 def test_shards_cover_the_batch_exactly():

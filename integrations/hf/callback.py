@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import random
 from typing import Any
 
@@ -250,10 +249,7 @@ class MonarchElasticCallback(TrainerCallback):
         if not self.active:
             return
         ctx = self._ctx
-        if ctx.fault and ctx.fault.applies(ctx.replica_id, self._step):
-            ctx.events.emit("fault_injected", replica=ctx.replica_id, step=self._step, mode=ctx.fault.mode,
-                            pid=os.getpid())
-            ctx.fault.fire()
+        ctx.fault_point("step", self._step)
         self._session.flags.set_phase("compute", self._step)
         remaining = self._sampler.steps_per_epoch(self._global_batch) - self._sampler.cursor // self._global_batch
         self._micro_batches = min(self._accumulate, remaining)

@@ -364,10 +364,7 @@ class MonarchStrategy(ParallelStrategy):
             # after a batch, but a heal is taken before one.
             self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self._pending_logger_step
             self._pending_logger_step = None
-        if ctx.fault and ctx.fault.applies(ctx.replica_id, self._step):
-            ctx.events.emit("fault_injected", replica=ctx.replica_id, step=self._step, mode=ctx.fault.mode,
-                            pid=os.getpid())
-            ctx.fault.fire()
+        ctx.fault_point("step", self._step)
         self._session.flags.set_phase("compute", self._step)
         self._window_gen = self._session.gen
 

@@ -154,7 +154,7 @@ class MonarchTrainer(Trainer):
                 self._sync_generation()
                 if self._committed >= self.step:
                     return  # a peer committed this step while ours was dropped; the heal handed it over
-                self._inject_fault()
+                self._session.ctx.fault_point("step", self.step)
                 try:
                     self._attempt(data_iterator)
                     return
@@ -230,13 +230,6 @@ class MonarchTrainer(Trainer):
         if session.action == "checkpoint":
             self._write_give_up_checkpoint()
             raise StopReplica("the controller gave up; checkpoint written")
-
-    def _inject_fault(self) -> None:
-        ctx = self._session.ctx
-        if ctx.fault and ctx.fault.applies(ctx.replica_id, self.step):
-            ctx.events.emit("fault_injected", replica=ctx.replica_id, step=self.step, mode=ctx.fault.mode,
-                            pid=os.getpid())
-            ctx.fault.fire()
 
     def _write_give_up_checkpoint(self) -> None:
         """The run stops (too few replicas): the generation's first replica writes torchtitan's checkpoint of

@@ -4,6 +4,10 @@ On gloo, when a peer dies mid all-reduce only its ring neighbours see an error; 
 until the gloo timeout, and `abort()` does not release them. So every collective here is issued async and
 waited on through its future's callback *or* the worker's abort flag, whichever comes first. The abandoned
 group is dropped, never reused; its stuck gloo threads end at its own timeout.
+
+Group construction waits on the store, and a TCPStore client serves one request at a time: a blocking
+`get` holds the worker's one connection until its key appears. So construction sees the store through
+`_AbandonableStore`, whose waits are short polls that give up as soon as the formation is superseded.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -93,13 +98,17 @@ def new_group(
     backend: str,
     timeout_s: float,
     superseded,
+    fault_point: Callable[[str], None] | None = None,
 ) -> dist.ProcessGroup | None:
     """A fresh group over `world` ranks named by `prefix`, with an abortable arrival barrier first.
 
-    Group construction cannot be interrupted, so it starts only once every member is known to be alive
-    and waiting. Whether the barrier completed or was abandoned (a newer generation, a timeout) is
-    decided once, by compare-and-set on `<prefix>/decision`, so no member can start constructing while
-    another walks away. Returns None for a group of one: nothing to reduce with.
+    Group construction starts only once every member is known to be alive and waiting. Whether the
+    barrier completed or was abandoned (a newer generation, a timeout) is decided once, by compare-and-set
+    on `<prefix>/decision`, so no member can start constructing while another walks away. A member that
+    dies after the barrier leaves the others inside the constructor: they leave it within milliseconds of
+    the controller's next plan (`superseded()`), never at the group timeout. Returns None for a group of
+    one: nothing to reduce with. `fault_point(where)` is called after the barrier ("arrived") and inside
+    construction ("construct"), for fault injection.
     """
     store.add(f"{prefix}/arrived", 1)
     deadline = time.monotonic() + timeout_s
@@ -114,21 +123,28 @@ def new_group(
         if decision == b"go":
             break
         raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation, or a member missing)")
+    if fault_point is not None:
+        fault_point("arrived")
     if world == 1:
         return None
     timeout = datetime.timedelta(seconds=timeout_s)
-    sub = dist.PrefixStore(prefix, store)
+    polling = _AbandonableStore(store, superseded, timeout_s, fault_point)
+    sub = dist.PrefixStore(prefix, polling)
 
     def construct():
         if backend == "nccl":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
-            return dist.ProcessGroupNCCL(sub, rank, world, opts)
+            pg = dist.ProcessGroupNCCL(sub, rank, world, opts)
+            # NCCL exchanges its unique id at the first collective unless connected now: here, on this
+            # thread, where an abandoned formation surfaces as a construction error, not in a step.
+            if hasattr(pg, "eager_connect_single_device") and torch.cuda.is_available():
+                pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+            return pg
         return dist.ProcessGroupGloo(sub, rank, world, timeout)
 
-    # A member that dies after the barrier leaves the others inside the constructor (gloo connects to
-    # every peer) until its timeout; it cannot be interrupted, so it runs on a thread that is abandoned,
-    # left to time out on its own, when the controller moves on.
+    # Store waits end once superseded (above); a connect to a peer that died can still block inside the
+    # backend, so construction runs on a thread that is abandoned, left to time out, when the plan moves on.
     built: dict = {}
     done = threading.Event()
 
@@ -145,11 +161,81 @@ def new_group(
             raise GenerationChanged(f"{prefix}: abandoned during construction (a newer generation)")
     if "error" in built:
         raise CollectiveFailed(f"{prefix}: group construction failed: {built['error']}") from built["error"]
+    _store_of[id(built["pg"])] = polling
     return built["pg"]
+
+
+# A Python store lives only as long as its Python object, and the group keeps just the C++ side (NCCL may
+# still read the store after construction): the object is held here until the group is abandoned.
+_store_of: dict[int, _AbandonableStore] = {}
+
+
+class _AbandonableStore(dist.Store):
+    """The controller's store as group construction sees it: every wait is a poll that a newer plan ends.
+
+    A TCPStore client serves one request at a time, and a blocking `get`/`wait` holds the connection until
+    its key appears or the store timeout passes. Construction waits on keys (gloo's peer addresses, NCCL's
+    unique id) that a member who died after the arrival barrier never writes; through the worker's one
+    client that wait held every other store call of the process, the check for a newer generation
+    included, for the whole timeout: survivors sat 60 s in a formation the controller had abandoned. Here
+    a wait is a series of short `check` requests, and it raises GenerationChanged once `superseded()`,
+    so the constructor itself returns and its thread ends.
+    """
+
+    def __init__(self, inner: dist.Store, superseded, timeout_s: float, fault_point=None):
+        super().__init__()
+        self._inner = inner
+        self._superseded = superseded
+        self._timeout_s = timeout_s
+        self._fault_point = fault_point
+
+    def _wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if self._fault_point is not None:  # our own part is published: peers now wait on us
+            point, self._fault_point = self._fault_point, None
+            point("construct")
+        limit = timeout.total_seconds() if timeout else self._timeout_s
+        deadline = time.monotonic() + limit
+        pause = 0.001
+        while not self._inner.check(keys):
+            if self._superseded():
+                raise GenerationChanged("abandoned during construction (a newer generation)")
+            if time.monotonic() > deadline:
+                raise CollectiveTimedOut(f"store keys {keys} missing after {limit:.0f}s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+
+    def set(self, key, value):
+        self._inner.set(key, value)
+
+    def get(self, key):
+        self._wait([key])
+        return self._inner.get(key)
+
+    def wait(self, keys, timeout=None):
+        self._wait(list(keys), timeout)
+
+    def add(self, key, value):
+        return self._inner.add(key, value)
+
+    def check(self, keys):
+        return self._inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self._inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self._inner.delete_key(key)
+
+    def num_keys(self):
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout):
+        self._timeout_s = timeout.total_seconds()
 
 
 def abandon(pg) -> None:
     """Give up on a group after an interruption: NCCL/RCCL can abort, gloo is just dropped."""
+    _store_of.pop(id(pg), None)
     if pg is not None and hasattr(pg, "abort") and isinstance(pg, getattr(dist, "ProcessGroupNCCL", ())):
         try:
             pg.abort()

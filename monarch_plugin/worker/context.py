@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.events import EventLog
-from monarch_plugin.faults import FaultSpec
+from monarch_plugin.faults import parse_faults
 
 __all__ = ["WorkerContext", "current", "flags"]
 
@@ -82,9 +82,19 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.events = EventLog(self.config.events_path, source=f"replica{self.replica_id}.{self.local_rank}")
-        self.fault = FaultSpec.parse(self.config.fault) if (self.config.fault and self.initial) else None
+        self.faults = [f for f in parse_faults(self.config.fault) if f.targets(self.replica_id, self.initial)]
         self.flags = flags
         self._store: dist.TCPStore | None = None
+
+    def fault_point(self, at: str, step: int) -> None:
+        """Fire the configured fault for this point of the protocol, if any (each at most once)."""
+        for fault in self.faults:
+            if fault.applies(self.replica_id, step, at):
+                self.faults.remove(fault)
+                self.events.emit("fault_injected", replica=self.replica_id, step=step, at=at, mode=fault.mode,
+                                 pid=os.getpid())
+                fault.fire()
+                return
 
     @property
     def store(self) -> dist.TCPStore:

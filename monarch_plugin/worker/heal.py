@@ -12,8 +12,9 @@ the receiver rebuilds it on its own device mesh, which the provider names (`devi
 from __future__ import annotations
 
 import pickle
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -25,7 +26,7 @@ try:
 except ImportError:  # a torch built without distributed tensors holds no sharded state
     DTensor = ()
 
-__all__ = ["StateProvider", "HealPlan", "plan_heal", "transfer_state"]
+__all__ = ["StateProvider", "HealPlan", "Moved", "plan_heal", "heal_bound_s", "transfer_state"]
 
 
 class StateProvider(Protocol):
@@ -111,6 +112,31 @@ def _join(obj: Any, tensors: list[torch.Tensor], mesh: Any) -> Any:
     return obj
 
 
+HEAL_FLOOR_S = 10.0
+"""No heal step counts as stuck sooner: process scheduling on a loaded host, pickling the skeleton."""
+
+ASSUMED_BYTES_PER_S = 25e6
+"""Rate assumed before this worker has measured one: a quarter of 1 GbE, so a first heal is not cut short."""
+
+
+def heal_bound_s(nbytes: int, bytes_per_s: float | None) -> float:
+    """How long moving `nbytes` may take before the heal is abandoned: four times what the measured rate
+    (`bytes_per_s`, from this worker's last heal; ASSUMED_BYTES_PER_S before any) predicts, and never
+    under HEAL_FLOOR_S. A heal is bounded by what it moves, not by the collective timeout: a stuck
+    100 MB heal is given up in 10 s, and a 100 GB one is not cut off at 60 s."""
+    rate = bytes_per_s if bytes_per_s and bytes_per_s > 0 else ASSUMED_BYTES_PER_S
+    return max(HEAL_FLOOR_S, 4.0 * nbytes / rate)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """What one heal moved, for the events and the next heal's bound."""
+
+    bytes: int
+    seconds: float
+    bound_s: float
+
+
 def transfer_state(
     pg,
     rank: int,
@@ -118,27 +144,37 @@ def transfer_state(
     device: torch.device,
     flags: Flags,
     gen: int,
-    timeout_s: float,
-) -> tuple[dict | None, int]:
-    """Broadcast rank 0's state to every other rank of `pg`; returns (state on receivers, bytes moved).
+    bytes_per_s: float | None = None,
+    fault_point: Callable[[str], None] | None = None,
+) -> tuple[dict | None, Moved]:
+    """Broadcast rank 0's state to every other rank of `pg`; returns (state on receivers, what moved).
 
     `pg` holds only the donor (rank 0) and the receivers, so healthy peers are not made to wait on it.
+    The donor sends a header first (skeleton size and the bound it computed from the payload size and
+    its measured rate, `heal_bound_s`); every wait after it uses that bound, and raises
+    CollectiveTimedOut past it. `fault_point("donor" | "recipient")` fires between header and tensors.
     """
     tensors: list[torch.Tensor] = []
 
-    def bcast(t: torch.Tensor) -> torch.Tensor:
+    def bcast(t: torch.Tensor, bound_s: float) -> torch.Tensor:
         wire = t.to(device)
-        wait_all([pg.broadcast(wire, 0)], flags, gen, timeout_s)
+        wait_all([pg.broadcast(wire, 0)], flags, gen, bound_s)
         return wire.cpu()
 
     if rank == 0:
         skeleton = pickle.dumps(_split(provider.state_dict(), tensors))
-        size = bcast(torch.tensor([len(skeleton)], dtype=torch.int64))
-        bcast(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8))
+        payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        bound_s = heal_bound_s(payload_bytes + len(skeleton), bytes_per_s)
+        header = bcast(torch.tensor([len(skeleton), int(bound_s * 1000)], dtype=torch.int64), HEAL_FLOOR_S)
+        bcast(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), bound_s)
     else:
-        size = bcast(torch.zeros(1, dtype=torch.int64))
-        skeleton_obj = pickle.loads(bcast(torch.empty(int(size.item()), dtype=torch.uint8)).numpy().tobytes())
+        header = bcast(torch.zeros(2, dtype=torch.int64), HEAL_FLOOR_S)
+        bound_s = int(header[1]) / 1000
+        skeleton_obj = pickle.loads(bcast(torch.empty(int(header[0]), dtype=torch.uint8), bound_s).numpy().tobytes())
+    if fault_point is not None:
+        fault_point("donor" if rank == 0 else "recipient")
 
+    t0 = time.monotonic()
     if rank == 0:
         payload = [t.detach().to(device).contiguous() for t in tensors]
     else:
@@ -147,8 +183,9 @@ def transfer_state(
         slots.sort(key=lambda s: s.index)
         payload = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
     works = [pg.broadcast(t, 0) for t in payload if t.numel()]  # uneven shards can be empty
-    wait_all(works, flags, gen, timeout_s)
-    moved = sum(t.numel() * t.element_size() for t in payload) + int(size.item())
+    wait_all(works, flags, gen, bound_s)
+    moved = Moved(sum(t.numel() * t.element_size() for t in payload) + int(header[0]), time.monotonic() - t0,
+                  bound_s)
     if rank == 0:
         return None, moved
     return _join(skeleton_obj, payload, getattr(provider, "device_mesh", None)), moved

@@ -159,10 +159,8 @@ class ElasticLoop:
                 if session is None or session.finish():
                     break
                 continue
-            if self.ctx and self.ctx.fault and self.ctx.fault.applies(self.ctx.replica_id, self.step):
-                self.ctx.events.emit("fault_injected", replica=self.ctx.replica_id, step=self.step,
-                                     mode=self.ctx.fault.mode, pid=os.getpid())
-                self.ctx.fault.fire()
+            if self.ctx:
+                self.ctx.fault_point("step", self.step)
             size = self._step_batch_size()
             lanes = self.ctx.procs_per_replica if self.ctx else 1
             lane = self.ctx.local_rank if self.ctx else 0

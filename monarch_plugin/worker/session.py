@@ -19,6 +19,7 @@ from monarch_plugin.backend import device_for_backend, resolve_backend
 from monarch_plugin.worker.collectives import (
     CollectiveInterrupted,
     CollectiveTimedOut,
+    GenerationChanged,
     abandon,
     new_group,
     wait_all,
@@ -51,6 +52,7 @@ class ReplicaSession:
         self.fresh = True
         self._broken = False
         self._regroup_agreed = False
+        self._heal_rate: float | None = None  # bytes/s of the last heal this worker took part in
 
     # -- generations ---------------------------------------------------------------------------------
 
@@ -69,26 +71,34 @@ class ReplicaSession:
             store.add(f"ready/{self.ctx.replica_id}", 1)
             self.ctx.events.emit("ready", replica=self.ctx.replica_id, pid=os.getpid())
         self.flags.set_phase("join")
+        tried = -1
         while True:
-            plan = self._next_plan()
+            plan = self._next_plan(after=tried)
+            tried = plan["gen"]
             try:
-                self._form(plan)
+                self._form(plan, step)
                 self._catch_up(step)
                 return
             except CollectiveInterrupted as e:
                 self.ctx.events.emit("join_retry", gen=plan["gen"], reason=str(e))
                 abandon(self.pg)
                 self.pg = None
+                if not isinstance(e, GenerationChanged):
+                    # Nobody has moved on (a construction error, a heal past its bound): the controller
+                    # finds out who is stuck and plans the next generation; this worker waits for it.
+                    self.ctx.store.add(f"stalled/{plan['gen']}", 1)
 
     def _latest(self) -> int:
         return int(self.ctx.store.get("latest"))
 
-    def _next_plan(self) -> dict:
+    def _next_plan(self, after: int) -> dict:
+        """The newest plan that includes this worker, newer than its generation and than `after` (a plan
+        it already failed to form: retrying that one could only fail again)."""
         store = self.ctx.store
         rid = self.ctx.replica_id
         started = time.monotonic()
         deadline = started + self.ctx.config.join_timeout_s
-        seen = self.gen
+        seen = max(self.gen, after)
         while True:
             if self.flags.stop:
                 raise StopReplica("the controller stopped this replica")
@@ -109,7 +119,7 @@ class ReplicaSession:
             # should not spend the CPU the training replicas need polling for it.
             time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
 
-    def _form(self, plan: dict) -> None:
+    def _form(self, plan: dict, step: int) -> None:
         g, members = plan["gen"], plan["members"]
         rank, world = members.index(self.ctx.replica_id), len(members)
         abandon(self.pg)
@@ -118,6 +128,7 @@ class ReplicaSession:
         self.pg = new_group(
             self.ctx.store, f"pg/{g}/{self.ctx.local_rank}", rank, world, self.backend, self.timeout_s,
             superseded=lambda: self.flags.stop or self._latest() > g,
+            fault_point=lambda where: self.ctx.fault_point(where, step),
         )
         self.gen, self.rank, self.world, self.members = g, rank, world, list(members)
         self.action = plan.get("action", "train")
@@ -144,22 +155,34 @@ class ReplicaSession:
             self.fresh = False
             return
         order = [plan.donor, *plan.recipients]
+        recipients = [self.members[r] for r in plan.recipients]
         t0 = time.time()
         sub = new_group(
             self.ctx.store, f"heal/{self.gen}/{self.ctx.local_rank}", order.index(self.rank), len(order),
             self.backend, self.timeout_s, superseded=self._superseded,
         )
-        state, nbytes = transfer_state(
-            sub, order.index(self.rank), self.provider, self.device, self.flags, self.gen, self.timeout_s
-        )
+        try:
+            state, moved = transfer_state(
+                sub, order.index(self.rank), self.provider, self.device, self.flags, self.gen,
+                bytes_per_s=self._heal_rate,
+                fault_point=lambda where: self.ctx.fault_point(f"heal_{where}", step),
+            )
+        except CollectiveTimedOut as e:
+            # Past its bound: never waited for. The controller treats the recipients as hung.
+            self.ctx.store.set(f"stalled/{self.gen}/heal", json.dumps(recipients))
+            self.ctx.events.emit("heal_abandoned", gen=self.gen, donor=self.members[plan.donor],
+                                 recipients=recipients, reason=str(e))
+            raise
+        finally:
+            abandon(sub)
         if state is not None:
             self.provider.load_state_dict(state)
         self.fresh = False
+        self._heal_rate = moved.bytes / max(moved.seconds, 1e-6)
         if self.rank == plan.donor:
             self.ctx.events.emit(
-                "heal", gen=self.gen, donor=self.members[plan.donor],
-                recipients=[self.members[r] for r in plan.recipients], step=plan.step, bytes=nbytes,
-                seconds=round(time.time() - t0, 4),
+                "heal", gen=self.gen, donor=self.members[plan.donor], recipients=recipients, step=plan.step,
+                bytes=moved.bytes, seconds=round(time.time() - t0, 4), bound_s=round(moved.bound_s, 1),
             )
 
     # -- steps ---------------------------------------------------------------------------------------
@@ -230,5 +253,6 @@ class ReplicaSession:
 
     def close(self) -> None:
         abandon(self.pg)
+        abandon(self.intra)
         self.pg = None
         self.intra = None

@@ -1,0 +1,161 @@
+"""Liveness under a burst of failures: SIGKILL a live member from outside every few seconds, for minutes.
+
+    python benchmarks/kill_storm.py --every 15 --duration 180 --spares 0 1 --out benchmarks/results
+
+Runs `monarch-run --replicas 4 --min-replicas 2 benchmarks/workload.py --mode elastic` and, every `--every`
+seconds, SIGKILLs one member of the newest generation (drawn with a seeded RNG, never one that would take
+the run below min_replicas) by its pid. When the duration is over it lets the run finish its steps and
+reports, from the step logs the replicas write, the longest pause between two committed steps (the figure
+a stall shows up in), committed steps per second, and the generations the events file records.
+
+Writes <out>/kill_storm.json and prints one markdown row per variant (pasted into docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from monarch_plugin.events import EventLog, read_events
+
+HERE = Path(__file__).resolve().parent
+WORKLOAD = HERE / "workload.py"
+BIN = Path(sys.executable).parent
+REPLICAS, MIN_REPLICAS = 4, 2
+
+
+def _commits(out: Path) -> list[float]:
+    """The time each global step was first committed by any replica, in step order."""
+    first: dict[int, float] = {}
+    for path in out.glob("steps-*.txt"):
+        for line in path.read_text().splitlines():
+            if line:
+                step, ts = line.split()
+                first[int(step)] = min(float(ts), first.get(int(step), float("inf")))
+    return [first[s] for s in sorted(first)]
+
+
+def _members(events: list[dict]) -> list[int]:
+    """Members of the newest generation that have not died since."""
+    quorums = [e for e in events if e["event"] == "quorum"]
+    if not quorums:
+        return []
+    dead = {e["replica"] for e in events if e["event"] == "death"}
+    return [m for m in quorums[-1]["members"] if m not in dead]
+
+
+def storm(work: Path, spares: int, every: float, duration: float, steps: int, seed: int) -> dict:
+    out = work / f"storm-spares{spares}"
+    out.mkdir(parents=True)
+    events_path = out / "events.jsonl"
+    rng = random.Random(seed)
+    cmd = [str(BIN / "monarch-run"), "--replicas", str(REPLICAS), "--min-replicas", str(MIN_REPLICAS),
+           "--spares", str(spares), "--max-restarts", "1000", "--events", str(events_path),
+           str(WORKLOAD), "--mode", "elastic", "--size", "10m", "--steps", str(steps), "--out", str(out)]
+    log = open(out / "run.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out)
+    kills: list[dict] = []
+    spawned: dict[int, list[int]] = {}
+    try:
+        while not _commits(out):  # the storm starts once training does
+            if proc.poll() is not None:
+                raise RuntimeError(f"run ended before its first step; see {out / 'run.log'}")
+            time.sleep(0.1)
+        t0 = time.time()
+        next_kill = t0 + every
+        while time.time() < t0 + duration and proc.poll() is None:
+            time.sleep(max(0.0, min(next_kill, t0 + duration) - time.time()))
+            if time.time() >= t0 + duration or proc.poll() is not None:
+                break
+            next_kill += every
+            events = read_events(str(events_path))
+            spawned = {e["replica"]: e["pids"] for e in events if e["event"] == "spawn"}
+            members = [m for m in _members(events) if m in spawned]
+            if len(members) <= MIN_REPLICAS:
+                kills.append({"ts": time.time(), "skipped": f"only {len(members)} live members"})
+                continue
+            victim = rng.choice(members)
+            pid = spawned[victim][0]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            EventLog(str(events_path), source="benchmark").emit("kill", replica=victim, pid=pid)
+            kills.append({"ts": time.time(), "replica": victim, "pid": pid})
+        rc = proc.wait(timeout=1800)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        for pids in spawned.values():  # nothing this benchmark started may outlive it
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    commits = _commits(out)
+    storm_end = t0 + duration
+    during = [t for t in commits if t0 <= t <= storm_end]
+    gaps = [(b - a, a - t0) for a, b in zip(commits, commits[1:]) if a >= t0 - 1 and a <= storm_end]
+    longest, at = max(gaps, default=(0.0, 0.0))
+    events = read_events(str(events_path))
+    return {
+        "spares": spares, "every_s": every, "duration_s": duration, "seed": seed, "rc": rc,
+        "kills": len([k for k in kills if "pid" in k]), "skipped_kills": len([k for k in kills if "skipped" in k]),
+        "steps_committed": len(commits), "steps_target": steps,
+        "steps_per_s_during_storm": len(during) / duration,
+        "steps_per_s_before_storm": _rate_before(commits, t0),
+        "longest_pause_s": round(longest, 3), "longest_pause_at_s": round(at, 1),
+        "pauses_over_2s": [(round(g, 2), round(a, 1)) for g, a in gaps if g > 2.0],
+        "generations": len([e for e in events if e["event"] == "quorum"]),
+        "join_retries": len([e for e in events if e["event"] == "join_retry"]),
+        "hangs": len([e for e in events if e["event"] == "hang"]),
+    }
+
+
+def _rate_before(commits: list[float], t0: float) -> float:
+    before = [t for t in commits if t < t0]
+    if len(before) < 2:
+        return 0.0
+    return (len(before) - 1) / (before[-1] - before[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--every", type=float, default=15.0, help="seconds between kills")
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of kills")
+    p.add_argument("--steps", type=int, default=0, help="steps to train (default: enough to outlast the storm)")
+    p.add_argument("--spares", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "results"))
+    args = p.parse_args()
+    steps = args.steps or int(args.duration * 6 + 60)  # ~0.2 s a step here: the run outlasts the storm
+    work = Path(args.out) / "kill_storm_runs"
+    if work.exists():
+        import shutil
+
+        shutil.rmtree(work)
+    results = []
+    for spares in args.spares:
+        r = storm(work, spares, args.every, args.duration, steps, args.seed)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    Path(args.out, "kill_storm.json").write_text(json.dumps(results, indent=1))
+    print("\n| variant | kills | longest pause between commits | pauses > 2 s | steps/s before / during | generations |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['spares']} spare(s), kill every {r['every_s']:.0f} s for {r['duration_s']:.0f} s | {r['kills']} "
+              f"| {r['longest_pause_s']:.2f} s | {len(r['pauses_over_2s'])} | {r['steps_per_s_before_storm']:.2f} / "
+              f"{r['steps_per_s_during_storm']:.2f} | {r['generations']} |")
+
+
+if __name__ == "__main__":
+    main()
