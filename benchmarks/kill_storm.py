@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "workload.py"
 BIN = Path(sys.executable).parent
 REPLICAS, MIN_REPLICAS = 4, 2
+WARMUP_STEPS = 30  # committed before the first kill; their rate is the run's failure-free rate
 
 
 def _commits(out: Path) -> list[float]:
@@ -64,9 +65,9 @@ def storm(work: Path, spares: int, every: float, duration: float, steps: int, se
     kills: list[dict] = []
     spawned: dict[int, list[int]] = {}
     try:
-        while not _commits(out):  # the storm starts once training does
+        while len(_commits(out)) < WARMUP_STEPS:  # the storm starts once training runs at full speed
             if proc.poll() is not None:
-                raise RuntimeError(f"run ended before its first step; see {out / 'run.log'}")
+                raise RuntimeError(f"run ended before step {WARMUP_STEPS}; see {out / 'run.log'}")
             time.sleep(0.1)
         t0 = time.time()
         next_kill = t0 + every
@@ -137,7 +138,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args()
-    steps = args.steps or int(args.duration * 6 + 60)  # ~0.2 s a step here: the run outlasts the storm
+    steps = args.steps or int(args.duration * 6 + 60 + WARMUP_STEPS)  # ~0.2 s a step here: the run outlasts the storm
     work = Path(args.out) / "kill_storm_runs"
     if work.exists():
         import shutil

@@ -41,6 +41,7 @@ from monarch_plugin.target import Target  # noqa: E402
 __all__ = ["ElasticController", "RunResult"]
 
 _MAX_BACKOFF_S = 30.0
+_STALL_GRACE_S = 0.5
 
 
 @dataclass
@@ -100,6 +101,8 @@ class ElasticController:
         self._respawn_at: list[float] = []
         self.store: dist.TCPStore | None = None
         self._last_death = ""
+        self._spawners: list[threading.Thread] = []
+        self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -152,7 +155,9 @@ class ElasticController:
         self.replicas[rid] = replica
         if not initial and not spare:
             self.restarts += 1
-        threading.Thread(target=self._spawn_worker, args=(replica,), daemon=True, name=f"spawn-{rid}").start()
+        spawner = threading.Thread(target=self._spawn_worker, args=(replica,), daemon=True, name=f"spawn-{rid}")
+        self._spawners.append(spawner)
+        spawner.start()
 
     def _spawn_worker(self, replica: _Replica) -> None:
         from monarch.actor import this_host
@@ -184,6 +189,10 @@ class ElasticController:
             replica.pids = [i["pid"] for i in infos]
             for pid in replica.pids:
                 self._watch_pid(replica, pid)
+            if self._closing.is_set():  # the run ended while this replica started: it must not outlive it
+                _kill(replica)
+                _stop_mesh(replica)
+                return
             future = replica.actor.run.call(self.target)
         except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
             self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
@@ -355,6 +364,8 @@ class ElasticController:
         current = [m for m in self.members if self.replicas[m].state == "member"]
         if len(current) != len(self.members):
             return  # the generation is finishing or changing; admit at the next one
+        if self.store.add(f"formed/{self.gen}", 0) < len(current) * self.config.procs_per_replica:
+            return  # still forming: its members move to a grow only at a step boundary they reach together
         # Up to the target size; ready replicas beyond it wait as hot spares for the next death.
         newcomers = self._ready_waiting(limit=self.config.replicas - len(current))
         if newcomers:
@@ -363,6 +374,11 @@ class ElasticController:
     def _check_stalled(self) -> None:
         key = f"stalled/{self.gen}"
         if self.gen < 0 or not self.store.check([key]):
+            return
+        # A peer's death is what usually breaks a collective, and it reaches us by pidfd or supervision
+        # within milliseconds of the survivors' report: let it, rather than probe a dead member.
+        first_seen = self._stalls_seen.setdefault(self.gen, time.monotonic())
+        if time.monotonic() - first_seen < _STALL_GRACE_S:
             return
         suspects = []
         for m in self.members:
@@ -501,6 +517,9 @@ class ElasticController:
             t.start()
         for t in threads:
             t.join(timeout=15)
+        deadline = time.monotonic() + 10  # a replica still starting cleans itself up (above) before we go
+        for spawner in self._spawners:
+            spawner.join(timeout=max(0.0, deadline - time.monotonic()))
         for replica in self.replicas.values():
             _kill(replica)  # whatever a stop left behind
             for fd in replica.pidfds:

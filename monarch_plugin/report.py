@@ -30,6 +30,7 @@ class Recovery:
     heal_bytes: int | None = None
     participating_at: float | None = None  # the replacement's first committed step
     participating_step: int | None = None
+    replacement_died: bool = False  # the replacement itself died (before training, when it never did)
 
     @property
     def replace_started_at(self) -> float | None:
@@ -89,6 +90,7 @@ def recoveries(events: list[dict]) -> list[Recovery]:
             first = next((e for e in events if e["event"] == "first_commit" and e["replica"] == new), None)
             if first:
                 rec.participating_at, rec.participating_step = first["ts"], first["step"]
+            rec.replacement_died = any(e["event"] == "death" and e["replica"] == new for e in events)
         found.append(rec)
     return found
 
@@ -108,10 +110,13 @@ def format_recovery(rec: Recovery) -> str:
     if rec.replacement is not None:
         heal = (f"healed from a live peer in {ms(rec.heal_seconds)} ({rec.heal_bytes / 1e6:.1f} MB)"
                 if rec.heal_seconds is not None else "not healed")
-        if rec.hot_spare:
-            lines.append(f"  hot spare replica {rec.replacement} took its place: {heal}, training at step "
-                         f"{rec.participating_step} {ms(p['replace_to_participating'])} after the death was noticed")
+        since = "after the death was noticed" if rec.hot_spare else "after spawn began"
+        if rec.participating_step is not None:
+            training = f"training at step {rec.participating_step} {ms(p['replace_to_participating'])} {since}"
         else:
-            lines.append(f"  replacement replica {rec.replacement}: spawned in {ms(p['spawn'])}, {heal}, training at "
-                         f"step {rec.participating_step} {ms(p['replace_to_participating'])} after spawn began")
+            training = "died before it trained" if rec.replacement_died else "the run ended before it trained"
+        if rec.hot_spare:
+            lines.append(f"  hot spare replica {rec.replacement} took its place: {heal}, {training}")
+        else:
+            lines.append(f"  replacement replica {rec.replacement}: spawned in {ms(p['spawn'])}, {heal}, {training}")
     return "\n".join(lines)

@@ -174,3 +174,20 @@ def test_cli_rejects_bad_input_before_spawning(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not (tmp_path / "ev.jsonl").exists()  # nothing was spawned, not even the store
+
+
+def test_recovery_report_says_why_a_replacement_never_trained():
+    from monarch_plugin.report import format_recovery, recoveries
+
+    events = [
+        {"ts": 1.0, "event": "quorum", "gen": 0, "members": [0, 1]},
+        {"ts": 2.0, "event": "death", "replica": 1, "detected_by": "pidfd", "gen": 0},
+        {"ts": 2.0, "event": "quorum", "gen": 1, "members": [0]},
+        {"ts": 2.1, "event": "first_commit", "replica": 0, "gen": 1, "step": 5},
+        {"ts": 5.0, "event": "spawn", "replica": 2, "seconds": 2.5, "pids": [9]},
+        {"ts": 5.5, "event": "quorum", "gen": 2, "members": [0, 2]},
+    ]
+    assert "the run ended before it trained" in format_recovery(recoveries(events)[0])
+    died = events + [{"ts": 6.0, "event": "death", "replica": 2, "detected_by": "pidfd", "gen": 2}]
+    text = format_recovery(recoveries(died)[0])
+    assert "died before it trained" in text and "None" not in text

@@ -99,6 +99,7 @@ def new_group(
     timeout_s: float,
     superseded,
     fault_point: Callable[[str], None] | None = None,
+    construct_bound_s: float | None = None,
 ) -> dist.ProcessGroup | None:
     """A fresh group over `world` ranks named by `prefix`, with an abortable arrival barrier first.
 
@@ -108,7 +109,9 @@ def new_group(
     dies after the barrier leaves the others inside the constructor: they leave it within milliseconds of
     the controller's next plan (`superseded()`), never at the group timeout. Returns None for a group of
     one: nothing to reduce with. `fault_point(where)` is called after the barrier ("arrived") and inside
-    construction ("construct"), for fault injection.
+    construction ("construct"), for fault injection. Construction that takes longer than
+    `construct_bound_s` (default `timeout_s`) raises CollectiveTimedOut: every member has arrived, so a
+    group that is not built by then is wedged, and waiting for the backend's timeout only stalls the run.
     """
     store.add(f"{prefix}/arrived", 1)
     deadline = time.monotonic() + timeout_s
@@ -156,9 +159,13 @@ def new_group(
         done.set()
 
     threading.Thread(target=run, name=f"construct {prefix}", daemon=True).start()
+    bound = construct_bound_s if construct_bound_s is not None else timeout_s
+    built_by = time.monotonic() + bound
     while not done.wait(0.005):
         if superseded():
             raise GenerationChanged(f"{prefix}: abandoned during construction (a newer generation)")
+        if time.monotonic() > built_by:
+            raise CollectiveTimedOut(f"{prefix}: group not built {bound:.0f}s after every member arrived")
     if "error" in built:
         raise CollectiveFailed(f"{prefix}: group construction failed: {built['error']}") from built["error"]
     _store_of[id(built["pg"])] = polling

@@ -27,7 +27,13 @@ from monarch_plugin.worker.collectives import (
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider, plan_heal, transfer_state
 
-__all__ = ["ReplicaSession", "StopReplica"]
+__all__ = ["ReplicaSession", "StopReplica", "FORMATION_BOUND_S"]
+
+FORMATION_BOUND_S = 10.0
+"""Forming a generation's group among members that all passed its arrival barrier, and exchanging their
+steps, takes milliseconds (4-300 ms measured here, under load). Past this bound it never will (a member's
+construction wedged): the member reports a stall, and the controller re-plans instead of everyone waiting
+for the collective timeout."""
 
 
 class StopReplica(BaseException):
@@ -78,6 +84,9 @@ class ReplicaSession:
             try:
                 self._form(plan, step)
                 self._catch_up(step)
+                # Counted by the controller, which publishes a grow only once the generation has formed:
+                # a member leaving a half-formed generation for a newer plan would strand its peers in it.
+                self.ctx.store.add(f"formed/{self.gen}", 1)
                 return
             except CollectiveInterrupted as e:
                 self.ctx.events.emit("join_retry", gen=plan["gen"], reason=str(e))
@@ -128,7 +137,7 @@ class ReplicaSession:
         self.pg = new_group(
             self.ctx.store, f"pg/{g}/{self.ctx.local_rank}", rank, world, self.backend, self.timeout_s,
             superseded=lambda: self.flags.stop or self._latest() > g,
-            fault_point=lambda where: self.ctx.fault_point(where, step),
+            fault_point=lambda where: self.ctx.fault_point(where, step), construct_bound_s=FORMATION_BOUND_S,
         )
         self.gen, self.rank, self.world, self.members = g, rank, world, list(members)
         self.action = plan.get("action", "train")
@@ -147,7 +156,7 @@ class ReplicaSession:
             return
         mine = torch.tensor([step, int(self.fresh)], dtype=torch.int64, device=self.device)
         everyone = [torch.zeros_like(mine) for _ in range(self.world)]
-        wait_all([self.pg.allgather([everyone], [mine])], self.flags, self.gen, self.timeout_s)
+        wait_all([self.pg.allgather([everyone], [mine])], self.flags, self.gen, FORMATION_BOUND_S)
         steps = [int(t[0]) for t in everyone]
         fresh = [bool(t[1]) for t in everyone]
         plan = plan_heal(steps, fresh)
