@@ -165,7 +165,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", type=int, default=3, help="procs: replicas x --fsdp")
     p.add_argument("--min-replicas", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=14)
     p.add_argument("--batch", type=int, default=8, help="per-replica batch (global = batch x devices)")
     p.add_argument("--fault", default="sigkill:replica=1:step=12", help="fault to inject, or 'none'")
     p.add_argument("--fsdp", type=int, default=0, help="shard each replica over this many procs (monarch_fsdp)")
