@@ -164,7 +164,10 @@ def test_two_sigkills_mid_window_keep_accumulation_clipping_schedule_validation_
     common = ("--devices", "3", "--batch", "4", "--accumulate", "2", "--clip", "0.05", "--samples", "240",
               "--epochs", "10", "--max-steps", "65", "--val-samples", "32", "--val-interval", "6",
               "--val-every-n-epoch", "2")
-    run = lightning_run().start("--min-replicas", "2", "--step-sleep", "0.1", "--slow-replica", "1", *common)
+    # From step 50 a shrunk group waits for its replacement, so the second one joins before max_steps however
+    # slowly this machine starts it (Lightning's import and setup take ~8 s here).
+    run = lightning_run().start("--min-replicas", "2", "--step-sleep", "0.1", "--slow-replica", "1",
+                                "--hold-for-regrow-from", "50", *common)
     single = lightning_run().start("--strategy", "single", *common)
 
     def right_after_a_commit() -> int:

@@ -63,9 +63,11 @@ def constant(step: int) -> float:
 
 class Model(pl.LightningModule):
     def __init__(self, samples: int, epochs: int, dim: int, global_batch: int, step_sleep: float, out: str,
-                 slow_replica: int = -1):
+                 slow_replica: int = -1, replicas: int = 1, hold_from: int = -1):
         super().__init__()
         self.slow_replica = slow_replica
+        self.replicas = replicas
+        self.hold_from = hold_from
         self.net = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 1))
         self.seen = nn.Parameter(torch.zeros(epochs, samples))
         self.global_batch = global_batch
@@ -73,6 +75,7 @@ class Model(pl.LightningModule):
         self.out = out
 
     def training_step(self, batch, batch_idx):
+        self._hold_for_regrow()
         idx, x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         if self.step_sleep:
@@ -81,6 +84,15 @@ class Model(pl.LightningModule):
             time.sleep(self.step_sleep * (5 if slow else 1))
         self.log("train_loss", loss)
         return loss + self.seen[self.current_epoch, idx].mean()
+
+    def _hold_for_regrow(self) -> None:
+        """--hold-for-regrow-from K: from global step K on, a shrunk group waits at each batch until a grow is
+        announced, so a test sees the replacement join however slowly it starts (as the torchtitan probe)."""
+        session = getattr(self.trainer.strategy, "_session", None)
+        if self.hold_from < 0 or session is None or self.trainer.global_step < self.hold_from:
+            return
+        while session.world < self.replicas and session.flags.regroup_gen <= session.gen and not session.flags.stop:
+            time.sleep(0.02)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         ctx = worker_context()
@@ -144,6 +156,8 @@ def main() -> None:
     p.add_argument("--val-every-n-epoch", type=int, default=1, help="Trainer(check_val_every_n_epoch=...)")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--slow-replica", type=int, default=-1, help="this replica sleeps 5x --step-sleep per batch")
+    p.add_argument("--hold-for-regrow-from", type=int, default=-1,
+                   help="from this global step on, a shrunk group waits for its replacement to be announced")
     p.add_argument("--fault", default=None)
     p.add_argument("--spares", type=int, default=0)
     p.add_argument("--events", default=None)
@@ -158,7 +172,7 @@ def main() -> None:
     global_batch = args.batch * args.devices
     cls = Unpicklable if args.unpicklable else Model
     model = cls(args.samples, args.epochs, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
-                args.slow_replica)
+                args.slow_replica, args.devices // max(args.fsdp, 1), args.hold_for_regrow_from)
     if args.strategy == "single":
         strategy, devices, batch = "auto", 1, global_batch
     elif args.strategy == "monarch-name":
