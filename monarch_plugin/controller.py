@@ -37,6 +37,7 @@ from monarch_plugin.devices import plan_gpus  # noqa: E402
 from monarch_plugin.errors import ElasticRunAborted, ReplicaCodeError  # noqa: E402
 from monarch_plugin.events import EventLog, read_events  # noqa: E402
 from monarch_plugin.target import Target  # noqa: E402
+from monarch_plugin.worker.session import FORMATION_BOUND_S  # noqa: E402
 
 __all__ = ["ElasticController", "RunResult"]
 
@@ -103,6 +104,8 @@ class ElasticController:
         self._last_death = ""
         self._spawners: list[threading.Thread] = []
         self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
+        self._announced_at = 0.0
+        self._wedge_checked = -1  # the last generation probed for members wedged in an older formation
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -235,6 +238,7 @@ class ElasticController:
             self._respawn_due()
             self._admit_ready()
             self._check_stalled()
+            self._check_wedged()
             if self._training_over():
                 self.events.emit("run_end", gen=self.finished_gen, members=self._finishers())
                 return
@@ -409,6 +413,34 @@ class ElasticController:
             _kill(replica)
             self._on_death(replica, how)
 
+    def _check_wedged(self) -> None:
+        """A generation still not formed well past the formation bound: probe its members once, and treat as
+        hung any member still inside the formation of an older generation. Its training thread is stuck
+        where it could neither see the newer plan nor give up (its control actor still answers), and the
+        others would wait for it at every barrier it never reaches."""
+        g = self.gen
+        if g < 0 or g == self._wedge_checked or self.finished_gen is not None:
+            return
+        if time.monotonic() - self._announced_at < FORMATION_BOUND_S + 2 * _STALL_GRACE_S:
+            return
+        self._wedge_checked = g
+        if self.store.add(f"formed/{g}", 0) >= len(self.members) * self.config.procs_per_replica:
+            return
+        for m in list(self.members):
+            replica = self.replicas[m]
+            if replica.state != "member":
+                continue
+            try:
+                statuses = list(replica.control.status.call().get(timeout=5.0).values())
+            except Exception:  # noqa: BLE001 - unreachable: supervision reports it; nothing to add here
+                continue
+            if any(s["phase"] == "join" and s.get("forming", g) < g for s in statuses):
+                how = f"hang (wedged forming generation {min(s.get('forming', g) for s in statuses)})"
+                self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=g, detected_by=how)
+                _kill(replica)
+                self._on_death(replica, how)
+                return  # the death published a new generation; it is checked in its own turn
+
     # -- generations ---------------------------------------------------------------------------------------
 
     def _announce(self, members: list[int], reason: str, interrupt: bool, action: str = "train") -> None:
@@ -422,6 +454,7 @@ class ElasticController:
         plan = {"gen": g, "members": self.members, "action": action, "reason": reason}
         self.store.set(f"plan/{g}", json.dumps(plan))
         self.store.set("latest", str(g))
+        self._announced_at = time.monotonic()
         for m in self.members:
             replica = self.replicas[m]
             if replica.state == "waiting" and not replica.initial:

@@ -125,7 +125,9 @@ def new_group(
             continue
         if decision == b"go":
             break
-        raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation, or a member missing)")
+        if superseded():
+            raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation)")
+        raise CollectiveTimedOut(f"{prefix}: formation abandoned (a member did not arrive in {timeout_s:.0f}s)")
     if fault_point is not None:
         fault_point("arrived")
     if world == 1:

@@ -36,6 +36,7 @@ class Flags:
         self.phase = "starting"
         self.phase_since = time.time()
         self.step = -1
+        self.forming = -1  # the generation whose group this worker is forming (or last formed)
 
     def set_phase(self, phase: str, step: int | None = None) -> None:
         self.phase, self.phase_since = phase, time.time()

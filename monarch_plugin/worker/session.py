@@ -131,6 +131,7 @@ class ReplicaSession:
     def _form(self, plan: dict, step: int) -> None:
         g, members = plan["gen"], plan["members"]
         rank, world = members.index(self.ctx.replica_id), len(members)
+        self.flags.forming = g
         abandon(self.pg)
         self.pg = None
         t0 = time.time()
