@@ -17,9 +17,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,7 +54,28 @@ def _members(events: list[dict]) -> list[int]:
     return [m for m in quorums[-1]["members"] if m not in dead]
 
 
-def storm(work: Path, spares: int, every: float, duration: float, steps: int, seed: int) -> dict:
+def _dump_pauses(out: Path, events_path: Path, proc: subprocess.Popen, after_s: float, done: threading.Event) -> None:
+    """While the run lasts: once no step has committed for `after_s`, write every live worker's Python and
+    native stacks (py-spy) to <out>/pause-dumps.txt, once per pause, so a stall can be read after the fact."""
+    spy = shutil.which("py-spy") or str(BIN / "py-spy")
+    dumped_for = None
+    while not done.wait(0.5) and proc.poll() is None:
+        commits = _commits(out)
+        if not commits or time.time() - commits[-1] < after_s or dumped_for == commits[-1]:
+            continue
+        dumped_for = commits[-1]
+        pids = [p for e in read_events(str(events_path)) if e["event"] == "spawn" for p in e["pids"]]
+        with open(out / "pause-dumps.txt", "a") as f:
+            f.write(f"=== no commit for {time.time() - commits[-1]:.1f}s (last at {commits[-1]:.3f})\n")
+            for pid in pids:
+                if os.path.exists(f"/proc/{pid}"):
+                    r = subprocess.run([spy, "dump", "--native", "--pid", str(pid)], capture_output=True,
+                                       text=True, timeout=60)
+                    f.write(f"--- pid {pid}\n{r.stdout}{r.stderr}\n")
+
+
+def storm(work: Path, spares: int, every: float, duration: float, steps: int, seed: int,
+          dump_after_s: float = 0.0) -> dict:
     out = work / f"storm-spares{spares}"
     out.mkdir(parents=True)
     events_path = out / "events.jsonl"
@@ -64,6 +87,10 @@ def storm(work: Path, spares: int, every: float, duration: float, steps: int, se
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out)
     kills: list[dict] = []
     spawned: dict[int, list[int]] = {}
+    watching = threading.Event()
+    if dump_after_s > 0:
+        threading.Thread(target=_dump_pauses, args=(out, events_path, proc, dump_after_s, watching),
+                         daemon=True).start()
     try:
         while len(_commits(out)) < WARMUP_STEPS:  # the storm starts once training runs at full speed
             if proc.poll() is not None:
@@ -92,6 +119,7 @@ def storm(work: Path, spares: int, every: float, duration: float, steps: int, se
             kills.append({"ts": time.time(), "replica": victim, "pid": pid})
         rc = proc.wait(timeout=1800)
     finally:
+        watching.set()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -137,16 +165,16 @@ def main() -> None:
     p.add_argument("--spares", type=int, nargs="+", default=[0, 1])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--dump-after", type=float, default=0.0,
+                   help="seconds without a commit after which every worker's stacks are dumped (py-spy); 0: off")
     args = p.parse_args()
     steps = args.steps or int(args.duration * 6 + 60 + WARMUP_STEPS)  # ~0.2 s a step here: the run outlasts the storm
     work = Path(args.out) / "kill_storm_runs"
     if work.exists():
-        import shutil
-
         shutil.rmtree(work)
     results = []
     for spares in args.spares:
-        r = storm(work, spares, args.every, args.duration, steps, args.seed)
+        r = storm(work, spares, args.every, args.duration, steps, args.seed, args.dump_after)
         results.append(r)
         print(json.dumps(r), flush=True)
     Path(args.out, "kill_storm.json").write_text(json.dumps(results, indent=1))
