@@ -368,12 +368,26 @@ class ElasticController:
         current = [m for m in self.members if self.replicas[m].state == "member"]
         if len(current) != len(self.members):
             return  # the generation is finishing or changing; admit at the next one
-        if self.store.add(f"formed/{self.gen}", 0) < len(current) * self.config.procs_per_replica:
-            return  # still forming: its members move to a grow only at a step boundary they reach together
         # Up to the target size; ready replicas beyond it wait as hot spares for the next death.
         newcomers = self._ready_waiting(limit=self.config.replicas - len(current))
-        if newcomers:
+        if newcomers and self._formed(self.gen):  # a grow moves members only at a step boundary they share
             self._announce(current + newcomers, reason=f"replica(s) {newcomers} ready", interrupt=False)
+
+    def _formed(self, g: int) -> bool:
+        """Every proc of generation g's members formed its group (workers count `formed/<g>`)."""
+        return self.store.add(f"formed/{g}", 0) >= len(self.plans[g]) * self.config.procs_per_replica
+
+    def _statuses(self, replica: _Replica) -> list[dict] | None:
+        """What each proc of the replica is doing, from its control actor; None if it does not answer."""
+        try:
+            return list(replica.control.status.call().get(timeout=5.0).values())
+        except Exception:  # noqa: BLE001 - an unreachable control actor is itself the answer
+            return None
+
+    def _treat_as_hung(self, replica: _Replica, how: str) -> None:
+        self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how)
+        _kill(replica)
+        self._on_death(replica, how)
 
     def _check_stalled(self) -> None:
         key = f"stalled/{self.gen}"
@@ -389,13 +403,9 @@ class ElasticController:
             replica = self.replicas[m]
             if replica.state != "member":
                 continue
-            try:
-                statuses = list(replica.control.status.call().get(timeout=5.0).values())
-            except Exception:  # noqa: BLE001 - an unreachable control actor is itself the answer
-                suspects.append(replica)
-                continue
-            if any(s["phase"] not in ("reduce", "finish", "join") and s["now"] - s["since"] >
-                   self.config.collective_timeout_s for s in statuses):
+            statuses = self._statuses(replica)
+            if statuses is None or any(s["phase"] not in ("reduce", "finish", "join") and s["now"] - s["since"] >
+                                       self.config.collective_timeout_s for s in statuses):
                 suspects.append(replica)
         how = "hang"
         if not suspects and self.store.check([f"{key}/heal"]):
@@ -409,9 +419,7 @@ class ElasticController:
                            interrupt=True)
             return
         for replica in suspects:
-            self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how)
-            _kill(replica)
-            self._on_death(replica, how)
+            self._treat_as_hung(replica, how)
 
     def _check_wedged(self) -> None:
         """A generation still not formed well past the formation bound: probe its members once, and treat as
@@ -424,21 +432,13 @@ class ElasticController:
         if time.monotonic() - self._announced_at < FORMATION_BOUND_S + 2 * _STALL_GRACE_S:
             return
         self._wedge_checked = g
-        if self.store.add(f"formed/{g}", 0) >= len(self.members) * self.config.procs_per_replica:
+        if self._formed(g):
             return
         for m in list(self.members):
             replica = self.replicas[m]
-            if replica.state != "member":
-                continue
-            try:
-                statuses = list(replica.control.status.call().get(timeout=5.0).values())
-            except Exception:  # noqa: BLE001 - unreachable: supervision reports it; nothing to add here
-                continue
-            if any(s["phase"] == "join" and s.get("forming", g) < g for s in statuses):
-                how = f"hang (wedged forming generation {min(s.get('forming', g) for s in statuses)})"
-                self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=g, detected_by=how)
-                _kill(replica)
-                self._on_death(replica, how)
+            statuses = self._statuses(replica) if replica.state == "member" else None
+            if statuses and any(s["phase"] == "join" and s["forming"] < g for s in statuses):
+                self._treat_as_hung(replica, f"hang (wedged forming generation {min(s['forming'] for s in statuses)})")
                 return  # the death published a new generation; it is checked in its own turn
 
     # -- generations ---------------------------------------------------------------------------------------

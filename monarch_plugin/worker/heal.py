@@ -152,7 +152,7 @@ def transfer_state(
     `pg` holds only the donor (rank 0) and the receivers, so healthy peers are not made to wait on it.
     The donor sends a header first (skeleton size and the bound it computed from the payload size and
     its measured rate, `heal_bound_s`); every wait after it uses that bound, and raises
-    CollectiveTimedOut past it. `fault_point("donor" | "recipient")` fires between header and tensors.
+    CollectiveTimedOut past it. `fault_point("heal_donor" | "heal_recipient")` fires between header and tensors.
     """
     tensors: list[torch.Tensor] = []
 
@@ -172,7 +172,7 @@ def transfer_state(
         bound_s = int(header[1]) / 1000
         skeleton_obj = pickle.loads(bcast(torch.empty(int(header[0]), dtype=torch.uint8), bound_s).numpy().tobytes())
     if fault_point is not None:
-        fault_point("donor" if rank == 0 else "recipient")
+        fault_point("heal_donor" if rank == 0 else "heal_recipient")
 
     t0 = time.monotonic()
     if rank == 0:

@@ -175,7 +175,7 @@ class ReplicaSession:
             state, moved = transfer_state(
                 sub, order.index(self.rank), self.provider, self.device, self.flags, self.gen,
                 bytes_per_s=self._heal_rate,
-                fault_point=lambda where: self.ctx.fault_point(f"heal_{where}", step),
+                fault_point=lambda where: self.ctx.fault_point(where, step),
             )
         except CollectiveTimedOut as e:
             # Past its bound: never waited for. The controller treats the recipients as hung.
