@@ -44,6 +44,17 @@ class ElasticSampler:
                 self._order = torch.arange(self.num_samples)
         return self._order
 
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its first sample, unless the cursor is already in it.
+
+        A framework may end an epoch before the data does (Lightning's `limit_train_batches`); its next epoch
+        starts the next permutation from the top, as `DistributedSampler.set_epoch` would, rather than
+        carrying on where the cut-short epoch stopped. Restating the current epoch (a newcomer resumed mid-epoch,
+        or the cursor already rolled over at the epoch's last commit) keeps the cursor.
+        """
+        if epoch != self.epoch:
+            self.epoch, self.cursor, self._order = epoch, 0, None
+
     def steps_per_epoch(self, global_batch_size: int) -> int:
         full, rest = divmod(self.num_samples, global_batch_size)
         return full if (self.drop_last or rest == 0) else full + 1

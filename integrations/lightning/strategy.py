@@ -109,7 +109,6 @@ class MonarchStrategy(ParallelStrategy):
         self._pending_logger_step: Optional[int] = None
         self._batches: Optional[_ElasticBatchSampler] = None
         self._global_batch = 0
-        self._accumulate = 1
         self._micro = 0
         """Index in its window of the micro-batch `training_step` runs next, which between micro-batches and while
         a step is being reduced is the number of the window's micro-batches Lightning counts as completed."""
@@ -225,12 +224,11 @@ class MonarchStrategy(ParallelStrategy):
                 f"MonarchStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}: put all parameter groups into one optimizer"
             )
-        self._accumulate = trainer.accumulate_grad_batches
-        self._reducer = self._make_reducer(list(module.parameters()))
+        self._reducer = self._make_reducer(module)
         self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
 
-    def _make_reducer(self, params: list[torch.nn.Parameter]) -> GradientReducer:
-        return GradientReducer(params, self._session.device)
+    def _make_reducer(self, module: torch.nn.Module) -> GradientReducer:
+        return GradientReducer(list(module.parameters()), self._session.device, buffers=list(module.buffers()))
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -297,9 +295,23 @@ class MonarchStrategy(ParallelStrategy):
             prefetch_factor=dataloader.prefetch_factor if dataloader.num_workers else None,
         )
 
+    @property
+    def _accumulate(self) -> int:
+        """Lightning's current `accumulate_grad_batches`: callbacks change it mid-fit
+        (GradientAccumulationScheduler, StochasticWeightAveraging), and Lightning steps by the value of the day."""
+        return self.lightning_module.trainer.accumulate_grad_batches
+
     def _window(self) -> list[list[int]]:
-        """The global micro-batches of the step at the cursor, cut from the epoch as Lightning cuts batches."""
-        return [batch for _, batch in _micro_batches(self._sampler, self._global_batch, self._accumulate)]
+        """The global micro-batches of the step at the cursor, grouped as Lightning's epoch loop groups batches.
+
+        Lightning steps after the epoch's batch `b` when `(b + 1) % accumulate_grad_batches == 0` or when `b` is
+        the epoch's last of `num_training_batches` (which `limit_train_batches` and `overfit_batches` cut short of
+        the data), so a window never crosses the end of the epoch Lightning plans.
+        """
+        done = self._sampler.cursor // self._global_batch  # the epoch's batches trained by committed steps
+        left = self.lightning_module.trainer.num_training_batches - done
+        size = min(self._accumulate - done % self._accumulate, left)
+        return [batch for _, batch in _micro_batches(self._sampler, self._global_batch, size)]
 
     def _replica_share(self, batch: list[int]) -> list[int]:
         start, end = shard_bounds(len(batch), self._session.rank, self._session.world)
@@ -366,6 +378,7 @@ class MonarchStrategy(ParallelStrategy):
             self._pending_logger_step = None
         ctx.fault_point("step", self._step)
         self._session.flags.set_phase("compute", self._step)
+        self._reducer.begin_attempt(self._step)
         self._window_gen = self._session.gen
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
@@ -411,6 +424,7 @@ class MonarchStrategy(ParallelStrategy):
         of micro-batch `self._micro`, and that closure never zeroes gradients (only a window's first does).
         """
         optimizer.zero_grad(set_to_none=True)
+        self._reducer.begin_attempt(self._step)
         self._window_gen = self._session.gen
         with self._reducer.no_sync():
             for micro in range(last):
@@ -573,8 +587,8 @@ class _ElasticBatchSampler:
     def __iter__(self):
         sampler, strategy = self.sampler, self.strategy
         epoch = sampler.epoch
-        for k, (pos, batch) in enumerate(_micro_batches(sampler, strategy._global_batch)):
-            micro = k % strategy._accumulate
+        for pos, batch in _micro_batches(sampler, strategy._global_batch):
+            micro = (pos // strategy._global_batch) % strategy._accumulate
             window_start = pos - micro * strategy._global_batch
             share = strategy._cut(batch)
             self.issued.append(((epoch, window_start, micro), share))

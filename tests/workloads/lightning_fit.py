@@ -27,7 +27,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -63,12 +63,13 @@ def constant(step: int) -> float:
 
 class Model(pl.LightningModule):
     def __init__(self, samples: int, epochs: int, dim: int, global_batch: int, step_sleep: float, out: str,
-                 slow_replica: int = -1, replicas: int = 1, hold_from: int = -1):
+                 slow_replica: int = -1, replicas: int = 1, hold_from: int = -1, batchnorm: bool = False):
         super().__init__()
         self.slow_replica = slow_replica
         self.replicas = replicas
         self.hold_from = hold_from
-        self.net = nn.Sequential(nn.Linear(dim, 16), nn.Tanh(), nn.Linear(16, 1))
+        norm = [nn.BatchNorm1d(16)] if batchnorm else []
+        self.net = nn.Sequential(nn.Linear(dim, 16), *norm, nn.Tanh(), nn.Linear(16, 1))
         self.seen = nn.Parameter(torch.zeros(epochs, samples))
         self.global_batch = global_batch
         self.step_sleep = step_sleep
@@ -94,6 +95,11 @@ class Model(pl.LightningModule):
         while session.world < self.replicas and session.flags.regroup_gen <= session.gen and not session.flags.stop:
             time.sleep(0.02)
 
+    def on_fit_start(self):
+        if worker_context() is None and self.trainer.world_size > 1:  # ddp_spawn's ranks, for the harness to reap
+            with open(os.path.join(self.out, f"ddp-pid-{self.global_rank}"), "w") as f:
+                f.write(str(os.getpid()))
+
     def on_train_batch_end(self, outputs, batch, batch_idx):
         ctx = worker_context()
         if ctx is not None:
@@ -101,6 +107,9 @@ class Model(pl.LightningModule):
                 f.write(str(self.trainer.global_step))
 
     def on_train_end(self):
+        if self.trainer.is_global_zero:  # ddp_spawn hands the weights back to its main process, not the step
+            with open(os.path.join(self.out, "trained-steps"), "w") as f:
+                f.write(str(self.trainer.global_step))
         ctx = worker_context()
         if ctx is not None:  # the step Lightning's loggers use, which a replica that becomes rank 0 logs at
             with open(os.path.join(self.out, f"logger-step-{ctx.replica_id}"), "w") as f:
@@ -141,7 +150,8 @@ class Unpicklable(Model):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--strategy", default="monarch", help="monarch (by instance), monarch-name, or single")
+    p.add_argument("--strategy", default="monarch",
+                   help="monarch (by instance), monarch-name, single, or ddp_spawn (the reference)")
     p.add_argument("--devices", type=int, default=3)
     p.add_argument("--min-replicas", type=int, default=1)
     p.add_argument("--samples", type=int, default=240)
@@ -150,6 +160,12 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--max-steps", type=int, default=-1)
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    p.add_argument("--accumulate-schedule", default=None,
+                   help="GradientAccumulationScheduler, e.g. '0:2,1:3' (epoch:factor)")
+    p.add_argument("--limit-train-batches", type=float, default=None, help="Trainer(limit_train_batches=...)")
+    p.add_argument("--overfit-batches", type=float, default=0.0, help="Trainer(overfit_batches=...)")
+    p.add_argument("--shuffle", action="store_true", help="shuffle the training DataLoader")
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...), by value")
     p.add_argument("--val-samples", type=int, default=0, help="validate on this many samples (0: no validation)")
     p.add_argument("--val-interval", type=int, default=None, help="Trainer(val_check_interval=...) in batches")
@@ -172,11 +188,11 @@ def main() -> None:
     global_batch = args.batch * args.devices
     cls = Unpicklable if args.unpicklable else Model
     model = cls(args.samples, args.epochs, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
-                args.slow_replica, args.devices // max(args.fsdp, 1), args.hold_for_regrow_from)
+                args.slow_replica, args.devices // max(args.fsdp, 1), args.hold_for_regrow_from, args.batchnorm)
     if args.strategy == "single":
         strategy, devices, batch = "auto", 1, global_batch
-    elif args.strategy == "monarch-name":
-        strategy, devices, batch = "monarch", args.devices, args.batch
+    elif args.strategy in ("monarch-name", "ddp_spawn"):
+        strategy, devices, batch = args.strategy.replace("-name", ""), args.devices, args.batch
     else:
         knobs = dict(min_replicas=args.min_replicas, fault=args.fault, events_path=args.events,
                      checkpoint_dir=os.path.join(args.out, "ckpt"), join_timeout_s=120, spares=args.spares)
@@ -186,18 +202,22 @@ def main() -> None:
             strategy = MonarchStrategy(**knobs)
         devices, batch = args.devices, args.batch
     callbacks = []
+    if args.accumulate_schedule:
+        schedule = dict(map(int, kv.split(":")) for kv in args.accumulate_schedule.split(","))
+        callbacks.append(GradientAccumulationScheduler(scheduling=schedule))
     if args.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "ckpts"), filename="{step}",
                                          every_n_train_steps=args.checkpoint_every, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.epochs, max_steps=args.max_steps,
-        accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, gradient_clip_algorithm="value",
+        accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
+        limit_train_batches=args.limit_train_batches, overfit_batches=args.overfit_batches, gradient_clip_algorithm="value",
         val_check_interval=args.val_interval, check_val_every_n_epoch=args.val_every_n_epoch,
         logger=CSVLogger(args.out, name="logs"), log_every_n_steps=1, callbacks=callbacks,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=args.checkpoint_every > 0,
         enable_progress_bar=False, enable_model_summary=False,
     )
-    loader = DataLoader(Regression(args.samples, args.dim), batch_size=batch, shuffle=False)
+    loader = DataLoader(Regression(args.samples, args.dim), batch_size=batch, shuffle=args.shuffle)
     val_loader = None
     if args.val_samples:
         val_loader = DataLoader(Regression(args.val_samples, args.dim, split=1), batch_size=16)
