@@ -47,6 +47,23 @@ class LightningRun(ElasticRun):
     def result(self) -> dict:
         return json.loads((self.out / "result.json").read_text())
 
+    def cleanup(self) -> None:
+        for path in self.out.glob("ddp-pid-*"):  # the reference runs' ddp_spawn ranks
+            pid = int(path.read_text())
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        super().cleanup()
+
+    def validation_curve(self, replica: int = 0) -> dict[int, float]:
+        """global_step -> validation loss of `replica` (it validates every sample), or under ddp_spawn the mean
+        over its ranks' lines (each rank validated an equal part of the samples)."""
+        path = self.out / "val-single"
+        curve: dict[int, list[float]] = {}
+        for line in (path if path.exists() else self.out / f"val-{replica}").read_text().splitlines():
+            step, loss = line.split()
+            curve.setdefault(int(step), []).append(float(loss))
+        return {step: sum(v) / len(v) for step, v in curve.items()}
+
     def logged(self, key: str) -> list[float]:
         with open(self.out / "logs" / "version_0" / "metrics.csv") as f:
             return [float(row[key]) for row in csv.DictReader(f) if row.get(key)]
@@ -256,6 +273,40 @@ def test_hot_spare_admitted_mid_window_resumes_at_the_window_start(lightning_run
     mine, ref = torch.load(run.out / "weights.pt"), torch.load(single.out / "weights.pt")
     for name, tensor in ref.items():
         torch.testing.assert_close(mine[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.timeout(330)
+def test_epochs_steps_samples_and_batchnorm_match_ddp_spawn_with_and_without_a_sigkill(lightning_run):
+    # Lightning plans the epochs: 5 of the 10 batches (limit_train_batches), accumulation 2 then 3 from epoch 1
+    # (a callback changes it mid-fit), max_steps ending epoch 2 after its first step, validation every 2
+    # batches, shuffled data, and a BatchNorm whose running statistics the validation loss depends on.
+    common = ("--devices", "3", "--samples", "256", "--batch", "8", "--epochs", "3", "--limit-train-batches", "5",
+              "--accumulate-schedule", "0:2,1:3", "--max-steps", "6", "--shuffle", "--batchnorm",
+              "--val-samples", "48", "--val-interval", "2")
+    ddp = lightning_run().start("--strategy", "ddp_spawn", *common)
+    elastic = lightning_run().start(*common)
+    # Replica 1 dies at step 4, the middle of epoch 1; from step 5 the shrunk group waits for the replacement.
+    killed = lightning_run().start(*common, "--fault", "sigkill:replica=1:step=4", "--hold-for-regrow-from", "5")
+    for run in (ddp, elastic, killed):
+        assert run.wait(timeout=300) == 0, run.output
+    assert [d["replica"] for d in killed.events("death")] == [1], killed.output
+    assert killed.events("heal"), killed.output  # the replacement healed its BatchNorm statistics too
+
+    reference = torch.tensor(ddp.result()["counts"])
+    for run in (elastic, killed):
+        assert (run.out / "trained-steps").read_text() == (ddp.out / "trained-steps").read_text() == "6"
+        # Each epoch trained exactly ddp's samples, each with ddp's weight (1/accumulation of its window).
+        torch.testing.assert_close(torch.tensor(run.result()["counts"]), reference, rtol=0, atol=1e-5)
+        # BatchNorm buffers averaged at every commit: every replica ends identical.
+        checksums = run.result()["replica_checksums"]
+        assert len(checksums) == 3 and len(set(checksums.values())) == 1, checksums
+        # Per-replica batch statistics differ from ddp's strided split, so the curves cannot be equal; they stay
+        # within 10% of the initial validation loss of ddp's.
+        curve, want = run.validation_curve(), ddp.validation_curve()
+        assert sorted(curve) == sorted(want) == [1, 2, 3, 4, 5]
+        first = want[1]
+        for step in want:
+            assert abs(curve[step] - want[step]) < 0.1 * first, (step, curve, want)
 
 
 @pytest.mark.timeout(180)

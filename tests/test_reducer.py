@@ -120,3 +120,30 @@ def test_group_construction_is_abandoned_when_a_newer_generation_comes():
     with pytest.raises(GenerationChanged, match="abandoned during construction"):
         new_group(store, "g", 0, 2, "gloo", 30.0, superseded=superseded.is_set)
     assert time.monotonic() - t0 < 5
+
+
+def test_buffers_are_averaged_at_commit_and_a_retried_attempt_starts_from_the_first_ones(pg):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    bn = model[1]
+    reducer = GradientReducer(list(model.parameters()), torch.device("cpu"), buffers=list(model.buffers()))
+    x = torch.randn(6, 4)
+
+    reducer.begin_attempt(0)
+    model(x).sum().backward()  # an attempt that is dropped: its statistics must not count
+    reducer.begin_attempt(0)
+    assert torch.equal(bn.running_mean, torch.zeros(8)) and int(bn.num_batches_tracked) == 0
+    model.zero_grad(set_to_none=True)
+    reducer.arm(pg, 0.5, Flags(), 0, 10)
+    model(x).sum().backward()
+    local_mean = bn.running_mean.clone()
+    _, side = reducer.reduce([3.0])
+    # One rank of weight 0.5: the commit writes back the weighted sum the live replicas' weights make a mean of.
+    assert side == [3.0]
+    torch.testing.assert_close(bn.running_mean, 0.5 * local_mean)
+    assert bn.num_batches_tracked.dtype == torch.int64 and int(bn.num_batches_tracked) == 0  # round(0.5 * 1)
+
+    reducer.begin_attempt(1)  # the next step keeps what step 0 committed
+    model(x)
+    reducer.begin_attempt(1)
+    torch.testing.assert_close(bn.running_mean, 0.5 * local_mean)

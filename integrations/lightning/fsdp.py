@@ -93,8 +93,9 @@ class MonarchFSDPStrategy(MonarchStrategy):
                 fully_shard(sub, mesh=self.device_mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(module, mesh=self.device_mesh, reshard_after_forward=self.reshard_after_forward)
 
-    def _make_reducer(self, params: list[torch.nn.Parameter]) -> GradientReducer:
-        return GradientReducer(params, self._session.device, overlap=False)
+    def _make_reducer(self, module: torch.nn.Module) -> GradientReducer:
+        return GradientReducer(list(module.parameters()), self._session.device, overlap=False,
+                               buffers=list(module.buffers()))
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """FSDP has reduce-scattered within the replica when backward returns; reduce across replicas now, so

@@ -107,7 +107,9 @@ class ElasticLoop:
             )
         self.session = ReplicaSession(self.ctx, self) if self.ctx else None
         self.reducer = (
-            GradientReducer(list(model.parameters()), self.session.device, overlap=overlap) if self.session else None
+            GradientReducer(list(model.parameters()), self.session.device, overlap=overlap,
+                            buffers=list(model.buffers()))
+            if self.session else None
         )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
         self._announced_gen = -1
@@ -173,6 +175,7 @@ class ElasticLoop:
             step.weight = self._weight(step)
             if session:
                 session.flags.set_phase("compute", self.step)
+                self.reducer.begin_attempt(self.step)
                 session.begin_step(self.reducer, step.weight)
             yield step
             if step.committed is None:

@@ -6,8 +6,17 @@ over replicas is the mean gradient of the global batch whatever the replica coun
 bucket's async all-reduce starts from a post-accumulate-grad hook as soon as its last gradient exists,
 so communication runs under the rest of backward. The last bucket carries one extra element, the
 control word that tells every member, consistently, that a grow is waiting; caller metrics (summed across
-replicas) follow in a small float64 reduction only when there are any. Either every reduction completes and the gradients are
-written back, or the step raises `CollectiveInterrupted` and nothing is written back.
+replicas) and the module's buffers follow in a small float64 reduction only when there are any. Either every
+reduction completes and the gradients (and buffers) are written back, or the step raises `CollectiveInterrupted`
+and nothing is written back.
+
+Buffers (BatchNorm's running statistics, counters) are averaged at commit, weighted like the gradients: the
+running mean every replica ends the step with is then exactly the one a single process would keep over the
+whole global batch (the running variance misses the spread between the replicas' batch means), whoever is rank
+0 and however many replicas are live. DDP instead broadcasts rank 0's buffers at the start of every forward, so
+its running statistics follow rank 0's share of the data alone and its other ranks drift until the next one.
+Forward passes of an attempt that is dropped must not move the statistics: `begin_attempt` keeps the buffers as
+of the step's first attempt and puts them back when the step is attempted again.
 
 Sharded parameters (FSDP's DTensors) are reduced by their local shard: each proc of a replica exchanges
 its shard with the procs holding the same shard in the other replicas.
@@ -42,9 +51,14 @@ class GradientReducer:
     Without overlap, everything is reduced at commit, after whatever the caller did to its local grads.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, overlap: bool = True):
+    def __init__(self, params: list[torch.nn.Parameter], device: torch.device, overlap: bool = True,
+                 buffers: list[torch.Tensor] = ()):
         self.params = [p for p in params if p.requires_grad]
         self.device = device
+        self.buffers = [b for b in buffers if not (b.is_complex() or b.dtype == torch.bool)]
+        """Averaged at commit; complex and boolean buffers (rotary tables, masks) are constants and left alone."""
+        self._attempted_step: int | None = None
+        self._buffers_at_first_attempt: list[torch.Tensor] = []
         self.buckets: list[list[torch.nn.Parameter]] = []
         current: list[torch.nn.Parameter] = []
         size = 0
@@ -83,6 +97,19 @@ class GradientReducer:
         self._callback_queued = False
         self._reduced = False
         self._failure: CollectiveInterrupted | None = None
+
+    def begin_attempt(self, step: int) -> None:
+        """Call before the first forward of every attempt at `step`: the first keeps the buffers, a retry (the
+        attempt before it was dropped, or cut for a generation that is gone) restores them."""
+        if not self.buffers:
+            return
+        if step == self._attempted_step:
+            with torch.no_grad():
+                for b, saved in zip(self.buffers, self._buffers_at_first_attempt):
+                    b.copy_(saved)
+            return
+        self._attempted_step = step
+        self._buffers_at_first_attempt = [b.detach().clone() for b in self.buffers]
 
     def arm(self, pg, weight: float, flags: Flags, gen: int, timeout_s: float) -> None:
         """Start a step: its backward reduces on `pg` as it goes."""
@@ -185,11 +212,21 @@ class GradientReducer:
             finally:
                 self._pg = None
         grow = bool(self._buffers[-1][-1] > 0)
-        if not metrics:
+        if not metrics and not self.buffers:
             return grow, []
-        side = torch.tensor(metrics, dtype=torch.float64, device=self.device)
+        side = torch.cat([
+            torch.tensor(metrics, dtype=torch.float64, device=self.device),
+            *(_local(b).reshape(-1).to(self.device, torch.float64) * self._weight for b in self.buffers),
+        ])
         wait_all([pg.allreduce([side])], self._flags, self._gen, self._timeout_s)
-        return grow, side.cpu().tolist()
+        offset = len(metrics)
+        with torch.no_grad():
+            for b in self.buffers:
+                local = _local(b)
+                mean = side[offset : offset + local.numel()].view_as(local)
+                local.copy_(mean if local.is_floating_point() else mean.round())
+                offset += local.numel()
+        return grow, side[: len(metrics)].cpu().tolist()
 
     def scale_local(self, weight: float) -> None:
         """Alone in the group: apply the same weighting the reduction would have applied."""
