@@ -289,13 +289,19 @@ class ElasticController:
     def _on_return(self, replica: _Replica, results: list[dict]) -> None:
         errors = [r for r in results if r.get("status") == "error"]
         if errors:
+            error = errors[0]
             replica.state = "dead"
-            self.events.emit("user_error", replica=replica.rid, error=errors[0]["error"])
+            self.events.emit("user_error", replica=replica.rid, error=error["error"], stage=error["stage"])
             self._stop_everything()
-            raise ReplicaCodeError(
-                f"the training code raised in replica {replica.rid}: {errors[0]['error']}\n"
-                f"--- replica traceback ---\n{errors[0]['traceback']}"
-            )
+            if error["stage"] == "load":  # every replica would fail the same way: no respawn either
+                what = (
+                    f"replica {replica.rid} could not load the target ({error['error']}): replicas run in the "
+                    "controller's working directory with its sys.path, and what the target imports must be "
+                    "importable from there; install the module or keep it in a directory the replicas can read"
+                )
+            else:
+                what = f"the training code raised in replica {replica.rid}: {error['error']}"
+            raise ReplicaCodeError(f"{what}\n--- replica traceback ---\n{error['traceback']}")
         if all(r.get("status") == "ok" for r in results):
             replica.state = "finished"
             replica.results = [r.get("value") for r in results]

@@ -31,4 +31,5 @@ class ElasticRunAborted(RuntimeError):
 
 
 class ReplicaCodeError(RuntimeError):
-    """The training code raised inside a replica: a bug that respawning cannot fix."""
+    """The training code raised inside a replica, or could not be loaded there (a module the replica
+    cannot import): a bug that respawning cannot fix. The message carries the replica's traceback."""

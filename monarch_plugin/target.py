@@ -1,11 +1,14 @@
 """What a replica runs: a script (torchrun style), a module (`-m`), or a picklable function.
 
-Lives on both sides of the controller/worker boundary: the controller builds it, pickles it to the
-replica actor, and the worker runs it as `__main__` with the argv the user gave.
+Lives on both sides of the controller/worker boundary: the controller builds it, sends it to the replica
+actor, and the worker runs it (a script or module as `__main__` with the argv the user gave). It is plain
+data that only needs this package to unpickle: a function travels as cloudpickled bytes that the worker
+loads itself, after entering the controller's working directory and sys.path, as ddp_spawn's children do.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import runpy
 import sys
@@ -20,10 +23,11 @@ __all__ = ["Target"]
 @dataclass
 class Target:
     kind: str  # "script" | "module" | "function"
-    entry: Any
+    entry: str  # the script's path, the module's name, or the function's name (for `describe`)
     args: list[str] = field(default_factory=list)
-    kwargs: dict = field(default_factory=dict)
-    cwd: str = field(default_factory=os.getcwd)  # `-m` resolves modules from here, as `python -m` does
+    cwd: str = field(default_factory=os.getcwd)  # every kind runs here; `-m` resolves modules from here
+    payload: bytes = b""  # a function target: its cloudpickled (fn, args, kwargs)
+    sys_path: list[str] = field(default_factory=list)  # a function target: the controller's, to unpickle it
 
     @classmethod
     def script(cls, path: str, args: list[str] | None = None) -> "Target":
@@ -50,22 +54,38 @@ class Target:
         import cloudpickle
 
         try:
-            cloudpickle.dumps((fn, args, kwargs))
+            payload = cloudpickle.dumps((fn, args, kwargs))
         except Exception as e:  # noqa: BLE001 - any pickling failure means the same fix
             raise ConfigError(
                 f"{getattr(fn, '__name__', fn)!r} or its arguments cannot be pickled to send to the "
                 f"replicas ({type(e).__name__}: {e}): define it at module level and pass plain data"
             ) from e
-        return cls("function", fn, list(args), dict(kwargs))
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        return cls("function", name, payload=payload, sys_path=list(sys.path))
 
     def describe(self) -> str:
-        name = getattr(self.entry, "__qualname__", self.entry)
-        return f"{self.kind} {name} {' '.join(map(str, self.args))}".strip()
+        return f"{self.kind} {self.entry} {' '.join(map(str, self.args))}".strip()
 
-    def run(self) -> Any:
-        """Run in the calling (worker) process; a clean `sys.exit(0)` counts as success."""
-        if self.kind == "function":
-            return self.entry(*self.args, **self.kwargs)
+    def load(self) -> Callable[[], Any]:
+        """In the worker: enter the controller's working directory and, for a function, put the
+        controller's sys.path first and unpickle it; returns what runs the target.
+
+        A function defined in a module the controller imported from a path it added at runtime would
+        otherwise not import in the replica; a module the replica still cannot import raises here, inside
+        the worker's error handling, so the controller reports the ModuleNotFoundError and its traceback
+        instead of a replica that failed to start for a reason only Monarch's log shows.
+        """
+        os.chdir(self.cwd)
+        if self.kind != "function":
+            return self._run_program
+        import cloudpickle
+
+        sys.path[:] = [*self.sys_path, *(p for p in sys.path if p not in self.sys_path)]
+        fn, args, kwargs = cloudpickle.loads(self.payload)
+        return functools.partial(fn, *args, **kwargs)
+
+    def _run_program(self) -> None:
+        """Run the script or module in the calling (worker) process; a clean `sys.exit(0)` counts as success."""
         saved_argv = sys.argv
         try:
             if self.kind == "script":
@@ -82,4 +102,3 @@ class Target:
                 raise
         finally:
             sys.argv = saved_argv
-        return None

@@ -56,10 +56,15 @@ class ReplicaActor(Actor):
 
     @endpoint
     def run(self, target: Target) -> dict:
+        """`stage` of an error tells the controller whether the target could not even be loaded here (a
+        module the replica cannot import) or the training code raised."""
         context.reset()
         t0 = time.time()
+        stage = "load"
         try:
-            value = target.run()
+            main = target.load()
+            stage = "run"
+            value = main()
         except BaseException as e:  # noqa: BLE001 - reported to the controller, never swallowed
             from monarch_plugin.worker.session import StopReplica
 
@@ -67,6 +72,7 @@ class ReplicaActor(Actor):
                 return {"status": "stopped", "reason": str(e), "seconds": time.time() - t0}
             return {
                 "status": "error",
+                "stage": stage,
                 "error": f"{type(e).__name__}: {e}",
                 "traceback": traceback.format_exc(),
                 "seconds": time.time() - t0,
