@@ -30,6 +30,7 @@ class Recovery:
     heal_bytes: int | None = None
     participating_at: float | None = None  # the replacement's first committed step
     participating_step: int | None = None
+    replacement_joined: bool = False  # a generation admitted it (else the run ended, or it died, while starting)
     replacement_died: bool = False  # the replacement itself died (before training, when it never did)
 
     @property
@@ -78,6 +79,10 @@ def recoveries(events: list[dict]) -> list[Recovery]:
             rec.resumed_at = min((e["ts"] for e in firsts), default=None)
         claimed = {r.replacement for r in found}
         new = next((m for q in after for m in q["members"] if m not in members_before and m not in claimed), None)
+        rec.replacement_joined = new is not None
+        if new is None:  # spawned for this death but never admitted: the run ended (or it died) before it joined
+            new = next((e["replica"] for e in events if e["event"] == "spawn" and not e.get("initial")
+                        and e["ts"] >= death["ts"] and e["replica"] not in claimed), None)
         if new is not None:
             rec.replacement = new
             spawn = next((e for e in events if e["event"] == "spawn" and e["replica"] == new), None)
@@ -114,8 +119,11 @@ def format_recovery(rec: Recovery) -> str:
         if rec.participating_step is not None:
             training = f"training at step {rec.participating_step} {ms(p['replace_to_participating'])} {since}"
         else:
-            training = "died before it trained" if rec.replacement_died else "the run ended before it trained"
-        if rec.hot_spare:
+            ended = "died" if rec.replacement_died else "the run ended"
+            training = f"{ended} before it {'trained' if rec.replacement_joined else 'joined'}"
+        if not rec.replacement_joined:
+            lines.append(f"  replacement replica {rec.replacement}: spawned in {ms(p['spawn'])}, {training}")
+        elif rec.hot_spare:
             lines.append(f"  hot spare replica {rec.replacement} took its place: {heal}, {training}")
         else:
             lines.append(f"  replacement replica {rec.replacement}: spawned in {ms(p['spawn'])}, {heal}, {training}")

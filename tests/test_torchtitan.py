@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -39,9 +40,13 @@ COMMON = ("--training.steps", str(STEPS), "--training.seq_len", str(SEQ_LEN), "-
 class TitanRun(ElasticRun):
     """`python -m torchtitan.train ...`: the launching process is the controller."""
 
-    def start(self, *args: str) -> "TitanRun":
+    def start(self, *args: str, default_events_path: bool = False) -> "TitanRun":
+        """`default_events_path`: leave `--monarch.events_path` unset; the events are then read where it defaults to."""
+        if default_events_path:
+            self.events_path = self.out / "monarch_events.jsonl"
+        events = [] if default_events_path else ["--monarch.events_path", str(self.events_path)]
         cmd = [sys.executable, "-m", "torchtitan.train", "--module", "torchtitan_probe", "--config", "llama3_probe",
-               "--dump_folder", str(self.out), "--monarch.events_path", str(self.events_path), *COMMON, *args]
+               "--dump_folder", str(self.out), *events, *COMMON, *args]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")]),
                "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
         self.log = open(self.tmp / "run.log", "w")
@@ -165,6 +170,35 @@ def test_too_few_replicas_stop_with_a_torchtitan_checkpoint_that_resumes_exactly
     for local in (0, 1):
         assert outcome[0, local]["checksum"] == outcome[1, local]["checksum"]
     for replica_pids in [*run.pids().values(), *resumed.pids().values()]:
+        assert not any(alive(pid) for pid in replica_pids)
+
+
+@pytest.mark.timeout(300)
+def test_deterministic_profiled_run_writes_each_replicas_outputs_apart_and_events_into_the_dump_folder(titan_run):
+    steps = 3
+    run = titan_run().start(
+        "--training.steps", str(steps), "--debug.seed", "42", "--debug.deterministic",
+        "--profiler.enable_profiling", "--profiler.profile_freq", str(steps), "--profiler.profiler_warmup", "1",
+        "--metrics.enable_tensorboard", default_events_path=True)
+    assert run.wait(timeout=240) == 0, run.output
+
+    # --debug.deterministic kept the CPU attention stand-in: every proc trained every step, to the same loss.
+    records = run.steps()
+    assert set(records) == {(0, 0), (0, 1), (1, 0), (1, 1)}, run.output
+    for step in range(1, steps + 1):
+        losses = {round(r["loss"], 9) for rs in records.values() for r in rs if r["step"] == step}
+        assert len(losses) == 1 and all(math.isfinite(x) for x in losses), (step, records)
+    # Without --monarch.events_path the events are in torchtitan's dump folder, not the working directory.
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1]]
+    assert not list(run.tmp.glob("*.jsonl"))
+    # Each replica writes its own profiler traces and TensorBoard run: the same file names, apart.
+    traces = sorted(p.relative_to(run.out).as_posix() for p in (run.out / "profiling").rglob("*.json.gz"))
+    assert traces == [f"profiling/traces/replica_{r}/iteration_{steps}/rank{k}_trace.json.gz"
+                      for r in (0, 1) for k in (0, 1)]
+    for replica in (0, 1):
+        assert len(list((run.out / "tb" / f"replica_{replica}").rglob("events.out.tfevents.*"))) == 1
+    assert not list((run.out / "tb").glob("*/events.out.tfevents.*"))  # none outside a replica folder
+    for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
 
 

@@ -143,6 +143,25 @@ def _flex_attention_by_sdpa() -> None:
 
     attention.FlexAttention._compiled_flex_attn = _flex_attention_by_sdpa_impl
     attention._compiled_create_block_mask = create_block_mask
+    _determinism_keeps_sdpa()
+
+
+def _determinism_keeps_sdpa() -> None:
+    """torchtitan 0.3.0's `set_determinism` (`--debug.deterministic`, run inside `Trainer.__init__`) installs its
+    own `FlexAttention._compiled_flex_attn` (a fresh `torch.compile(flex_attention)`), replacing the stand-in
+    above, so the first backward dies with "FlexAttention does not support backward on CPU". Let it set its
+    flags and seeds, then put the stand-in back: SDPA's CPU kernels are deterministic, and the stand-in is
+    never compiled, so there is no autotuning for torchtitan's replacement to switch off."""
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common import attention
+
+    set_determinism = dist_utils.set_determinism
+
+    def set_determinism_keeping_sdpa(*args, **kwargs):
+        set_determinism(*args, **kwargs)
+        attention.FlexAttention._compiled_flex_attn = _flex_attention_by_sdpa_impl
+
+    dist_utils.set_determinism = set_determinism_keeping_sdpa
 
 
 def _flex_attention_by_sdpa_impl(query, key, value, *, score_mod=None, block_mask=None, scale=None,

@@ -19,7 +19,7 @@ replica's procs (one FSDP group, as torchtitan builds it). Across replicas only 
   give the global-batch mean at any number of live replicas, uneven splits included.
 
 Everything else is torchtitan's own `train()` loop: checkpoints (written by one replica), validation,
-profiling, metrics and garbage collection.
+profiling and metrics (each replica in its own folders), and garbage collection.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ class MonarchTrainer(Trainer):
             )
         if config.monarch.enable:
             _check_launch(config, ctx)
+            _per_replica_outputs(config, ctx.replica_id)
             micro = micro_batch_size(config)
             config.dataloader = ElasticDataLoader.Config(
                 source=config.dataloader, micro_batch_size=micro, micro_batches=global_batch_size(config) // micro,
@@ -328,6 +329,18 @@ def _summing_fsdp(parallelize_fn):
         return model
 
     return parallelize
+
+
+def _per_replica_outputs(config: MonarchTrainer.Config, replica_id: int) -> None:
+    """torchtitan names its TensorBoard/W&B folder (written by rank 0), profiler traces (`rank<r>_trace.json.gz`)
+    and memory snapshots by the torch.distributed rank, which is replica-local here: every replica would write
+    the same files, the traces overwriting each other and a TensorBoard run getting one event file per replica.
+    Each replica writes under a `replica_<id>` subfolder of each folder instead (ids are never reused, so a
+    replacement gets a folder of its own); checkpoints stay shared (`_OneWriter`)."""
+    leaf = f"replica_{replica_id}"
+    config.metrics.save_tb_folder = os.path.join(config.metrics.save_tb_folder, leaf)
+    config.profiler.save_traces_folder = os.path.join(config.profiler.save_traces_folder, leaf)
+    config.profiler.save_memory_snapshot_folder = os.path.join(config.profiler.save_memory_snapshot_folder, leaf)
 
 
 def _check_launch(config: MonarchTrainer.Config, ctx) -> None:
