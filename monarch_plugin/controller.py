@@ -217,16 +217,20 @@ class ElasticController:
             if self._closing.is_set():
                 return
             ready = [r.rid for r in self.replicas.values() if r.state == "waiting" and r.initial]
+            # A target that never joins a generation (Lightning's test stage, a plain script) may return
+            # before it would have been ready: it started all the same.
+            done = [r.rid for r in self.replicas.values() if r.state == "finished" and r.initial]
             pending = [r for r in self.replicas.values() if r.state == "spawning" and r.initial]
             if not pending or time.monotonic() > deadline:
                 break
-        if len(ready) < self.config.min_replicas:
+        if len(ready) + len(done) < self.config.min_replicas:
             why = f"; last error: {self._last_death}" if self._last_death else ""
             self._give_up(
                 f"only {len(ready)} of {self.config.replicas} replicas started (min_replicas="
                 f"{self.config.min_replicas}, join_timeout_s={self.config.join_timeout_s:.0f}){why}"
             )
-        self._announce(ready[: self.config.max_replicas], reason="start", interrupt=False)
+        if ready:
+            self._announce(ready[: self.config.max_replicas], reason="start", interrupt=False)
 
     # -- the supervision loop ------------------------------------------------------------------------------
 

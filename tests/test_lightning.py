@@ -309,6 +309,34 @@ def test_epochs_steps_samples_and_batchnorm_match_ddp_spawn_with_and_without_a_s
             assert abs(curve[step] - want[step]) < 0.1 * first, (step, curve, want)
 
 
+@pytest.mark.timeout(300)
+def test_fit_then_test_and_predict_return_a_single_devices_results_and_survive_a_death_mid_test(lightning_run):
+    run = lightning_run().start("--devices", "2", "--samples", "64", "--batch", "8", "--epochs", "1",
+                                "--val-samples", "48", "--then", "test,predict", "--eval-sleep", "1.0")
+    test_events = run.tmp / "events-test.jsonl"  # each stage keeps its own record; fit's stays in events.jsonl
+
+    def test_spawns():
+        return [json.loads(line) for line in test_events.read_text().splitlines()
+                if '"spawn"' in line] if test_events.exists() else []
+
+    run.wait_for(lambda: (run.out / "test-progress-0").exists(), timeout=200, what="replica 0 testing")
+    os.kill(next(e["pids"][0] for e in test_spawns() if e["replica"] == 0), signal.SIGKILL)
+    assert run.wait(timeout=200) == 0, run.output
+
+    stages = run.result()["stages"]
+    assert stages["test_fn"] == "test" and stages["predict_fn"] == "predict"  # trainer.state came back
+    assert '"death"' in test_events.read_text() and len(test_spawns()) == 2, run.output  # nobody respawned
+    model = lightning_fit.Model(64, 1, 8, 16, 0.0, str(run.out))
+    model.load_state_dict(torch.load(run.out / "weights.pt"))
+    model.eval()
+    data = lightning_fit.Regression(48, 8, split=1)
+    with torch.no_grad():
+        predicted = model.net(data.x)
+    # Every replica evaluated every sample: the metrics and the predictions (in dataset order) are one device's.
+    assert stages["test"][0]["test_loss"] == pytest.approx(float(((predicted - data.y) ** 2).mean()), rel=1e-5)
+    torch.testing.assert_close(torch.tensor(stages["predict"]), predicted.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.timeout(180)
 def test_failure_free_fit_matches_single_process_with_same_global_batch(lightning_run):
     common = ("--devices", "2", "--epochs", "2", "--samples", "96", "--batch", "8")

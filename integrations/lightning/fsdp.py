@@ -65,14 +65,14 @@ class MonarchFSDPStrategy(MonarchStrategy):
 
     # -- controller side ---------------------------------------------------------------------------------
 
-    def elastic_config(self) -> ElasticConfig:
+    def elastic_config(self, root_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
         devices = len(self.parallel_devices or [])
         if devices % self.procs_per_replica:
             raise MisconfigurationException(
                 f"Trainer(devices={devices}) cannot be cut into replicas of MonarchFSDPStrategy(procs_per_replica="
                 f"{self.procs_per_replica}): make devices a multiple of procs_per_replica"
             )
-        return super().elastic_config()
+        return super().elastic_config(root_dir, stage)
 
     # -- inside a replica -----------------------------------------------------------------------------------
 

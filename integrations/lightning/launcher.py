@@ -1,16 +1,24 @@
-"""`_MonarchLauncher`: `trainer.fit` in the user's process becomes the run's single controller.
+"""`_MonarchLauncher`: `trainer.fit` (or `validate`, `test`, `predict`) in the user's process becomes the run's
+single controller.
 
-Modelled on Lightning's ddp_spawn launcher (`_MultiProcessingLauncher`): the trainer and the fit arguments are
-pickled to every replica, each replica runs `Trainer._fit_impl`, and what Lightning's main process needs
-afterwards (trained weights, `trainer.state`, `callback_metrics`, the loop progress behind
-`trainer.global_step`) comes back and is restored here. Unlike ddp_spawn, replicas are Monarch proc meshes
-under `ElasticController`, so one dying costs the others a step, not the run. No launcher command is needed:
-`python train.py` works; under `monarch-run train.py` each replica runs the script and `fit` trains in place.
+Modelled on Lightning's ddp_spawn launcher (`_MultiProcessingLauncher`): the trainer and the stage's arguments
+are pickled to every replica, each replica runs the stage (`Trainer._fit_impl`, `_test_impl`, ...), and what
+Lightning's main process needs afterwards (trained weights, `trainer.state`, `callback_metrics`, the loop
+progress behind `trainer.global_step`, the stage's return value) comes back and is restored here. Unlike
+ddp_spawn, replicas are Monarch proc meshes under `ElasticController`, so one dying costs the others a step, not
+the run. No launcher command is needed: `python train.py` works; under `monarch-run train.py` each replica runs
+the script and every stage runs in place.
+
+`validate`, `test` and `predict` are not sharded: every replica evaluates every sample (Lightning's own loop,
+one replica's procs as its world), so their metrics and predictions are a single device's, in dataset order,
+and any one replica that finishes gives the result. A replica dying mid-stage costs nothing while another one
+finishes; none is respawned (a replacement would only start the stage over).
 """
 
 from __future__ import annotations
 
 import io
+import os
 from typing import Any, Callable
 
 import cloudpickle
@@ -39,13 +47,9 @@ class _MonarchLauncher(_Launcher):
         return False
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
-            raise MisconfigurationException(
-                "MonarchStrategy runs Trainer.fit; validate, test and predict the returned model with a "
-                "Trainer(strategy='auto')"
-            )
+        fitting = trainer.state.fn == TrainerFn.FITTING
         model = args[0] if args else kwargs.get("model")
-        if not model.automatic_optimization:
+        if fitting and not model.automatic_optimization:
             raise MisconfigurationException(
                 "MonarchStrategy redoes a step that a death interrupted (all of its accumulated micro-batches), "
                 "which needs Lightning's automatic optimization: remove `self.automatic_optimization = False` "
@@ -74,9 +78,9 @@ class _MonarchLauncher(_Launcher):
             ) from e
         for logger in trainer.loggers:
             logger.version  # fixed here, so every replica (and a later rank 0) logs into the same version
-        config = self._strategy.elastic_config()
+        config = self._strategy.elastic_config(root_dir=trainer.default_root_dir, stage=trainer.state.fn.value)
         try:
-            target = Target.function(_FitInReplica(trainer, function.__name__, args, kwargs))
+            target = Target.function(_StageInReplica(trainer, function.__name__, args, kwargs))
         except ConfigError as e:
             raise MisconfigurationException(str(e)) from e
         try:
@@ -91,6 +95,9 @@ class _MonarchLauncher(_Launcher):
             f"death(s), {result.replicas_spawned} replica(s) spawned; events in {result.events_path}"
         )
         outputs = sorted((v[0] for v in result.values.values() if v and v[0]), key=lambda o: o["rank"])
+        if not fitting:  # any replica's result is the stage's: each one evaluated every sample
+            self._recover_stage_results(outputs[0], trainer)
+            return outputs[0]["results"]
         self._strategy.replica_checksums = {o["replica"]: o["checksum"] for o in outputs}
         if len(set(self._strategy.replica_checksums.values())) != 1:
             raise RuntimeError(
@@ -102,19 +109,24 @@ class _MonarchLauncher(_Launcher):
 
     def _recover_results_in_main_process(self, output: dict, trainer) -> None:
         trainer.lightning_module.load_state_dict(output["weights"])
-        trainer.state = output["trainer_state"]
         trainer.fit_loop.load_state_dict(output["fit_loop"])
         trainer.fit_loop.restarting = False
-        trainer.callback_metrics.update(torch.load(io.BytesIO(output["callback_metrics"]), weights_only=True))
+        self._recover_stage_results(output, trainer)
         if trainer.checkpoint_callback is not None and hasattr(trainer.checkpoint_callback, "best_model_path"):
             trainer.checkpoint_callback.best_model_path = output["best_model_path"] or ""
+
+    @staticmethod
+    def _recover_stage_results(output: dict, trainer) -> None:
+        """What every stage hands back, as ddp_spawn does: the trainer's state and its callback metrics."""
+        trainer.state = output["trainer_state"]
+        trainer.callback_metrics.update(torch.load(io.BytesIO(output["callback_metrics"]), weights_only=True))
 
     def kill(self, signum) -> None:
         """The controller owns the replicas' lifetime; interrupting `fit` stops it, and it stops them."""
 
 
-class _FitInReplica:
-    """What each replica runs: fit, leave together, and send back what the controller restores."""
+class _StageInReplica:
+    """What each replica runs: the stage (fit: and leave together), and send back what the controller restores."""
 
     def __init__(self, trainer, method: str, args: tuple, kwargs: dict):
         self.trainer, self.method, self.args, self.kwargs = trainer, method, args, kwargs
@@ -128,9 +140,14 @@ class _FitInReplica:
         results = getattr(trainer, self.method)(*self.args, **self.kwargs)
         strategy = trainer.strategy
         strategy.finish()
-        rank = strategy._session.rank
         buffer = io.BytesIO()
         torch.save(move_data_to_device(dict(trainer.callback_metrics), "cpu"), buffer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            if strategy.global_rank != 0:
+                return None
+            return {"rank": strategy._elastic_rank(), "trainer_state": trainer.state,
+                    "callback_metrics": buffer.getvalue(), "results": move_data_to_device(results, "cpu")}
+        rank = strategy._session.rank
         weights = move_data_to_device(strategy.full_state_dict(), "cpu")  # on every proc: FSDP gathers
         if strategy.global_rank != 0:
             return None  # the replica's first proc speaks for it

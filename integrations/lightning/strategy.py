@@ -125,19 +125,34 @@ class MonarchStrategy(ParallelStrategy):
         """Replicas spawned at start: Lightning's ``devices``, ``procs_per_replica`` devices to a replica."""
         return len(self.parallel_devices or []) * self.num_nodes // self.procs_per_replica
 
-    def elastic_config(self) -> ElasticConfig:
-        """The runtime configuration these knobs mean; raises naming the Lightning argument to change."""
+    def elastic_config(self, root_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
+        """The runtime configuration these knobs mean; raises naming the Lightning argument to change.
+
+        Unless `events_path` (or `$MONARCH_PLUGIN_EVENTS`) says otherwise, the events go to the Trainer's
+        `default_root_dir` (`root_dir`), next to its logs and checkpoints: `monarch_events.jsonl` for `fit`,
+        `monarch_events-<stage>.jsonl` for the other stages, so a `test` after `fit` keeps fit's record.
+        `validate`, `test` and `predict` respawn nobody (any finishing replica holds the stage's result).
+        """
         if self.replicas < self.min_replicas:
             raise MisconfigurationException(
                 f"Trainer(devices={self.replicas}) starts {self.replicas} replica(s), fewer than "
                 f"MonarchStrategy(min_replicas={self.min_replicas}): raise `devices` or lower `min_replicas`"
             )
+        events = self.events_path
+        if events is None and root_dir is not None:
+            events = os.environ.get("MONARCH_PLUGIN_EVENTS") or os.path.join(root_dir, "monarch_events.jsonl")
+        fitting = stage == "fit"
+        if events and not fitting:
+            base, ext = os.path.splitext(events)
+            events = f"{base}-{stage}{ext}"
         try:
             return ElasticConfig(
-                replicas=self.replicas, min_replicas=self.min_replicas, max_replicas=self.max_replicas,
-                intra_backend=self.backend, cross_backend=self.backend, join_timeout_s=self.join_timeout_s,
-                collective_timeout_s=self.collective_timeout_s, fault=self.fault, events_path=self.events_path,
-                checkpoint_dir=self.checkpoint_dir, max_restarts=self.max_restarts, spares=self.spares,
+                replicas=self.replicas, min_replicas=self.min_replicas if fitting else 1,
+                max_replicas=self.max_replicas, intra_backend=self.backend, cross_backend=self.backend,
+                join_timeout_s=self.join_timeout_s, collective_timeout_s=self.collective_timeout_s,
+                fault=self.fault if fitting else None,
+                events_path=events, checkpoint_dir=self.checkpoint_dir,
+                max_restarts=self.max_restarts if fitting else 0, spares=self.spares if fitting else 0,
                 procs_per_replica=self.procs_per_replica,
             )
         except ConfigError as e:
@@ -488,8 +503,9 @@ class MonarchStrategy(ParallelStrategy):
             progress.load_state_dict(saved)
 
     def finish(self) -> None:
-        """Leave together once every live replica has trained its last step (a death here is healed first)."""
-        while True:
+        """After `fit`: leave together once every live replica has trained its last step (a death here is healed
+        first). After the other stages, which never joined a generation: just leave."""
+        while self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._sync_generation()
             if self._session.finish():
                 break

@@ -74,6 +74,7 @@ class Model(pl.LightningModule):
         self.global_batch = global_batch
         self.step_sleep = step_sleep
         self.out = out
+        self.eval_sleep = 0.0
 
     def training_step(self, batch, batch_idx):
         self._hold_for_regrow()
@@ -133,6 +134,19 @@ class Model(pl.LightningModule):
         with open(os.path.join(self.out, name), "a") as f:
             f.write(f"{self.trainer.global_step} {self.val_sum / self.val_count!r}\n")
 
+    def test_step(self, batch, batch_idx):
+        _, x, y = batch
+        ctx = worker_context()
+        if ctx is not None:  # so a test knows when to kill a replica mid-stage
+            with open(os.path.join(self.out, f"test-progress-{ctx.replica_id}"), "w") as f:
+                f.write(str(batch_idx))
+        time.sleep(self.eval_sleep)
+        self.log("test_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def predict_step(self, batch, batch_idx):
+        _, x, _ = batch
+        return self.net(x)
+
     def configure_optimizers(self):
         optimizer = torch.optim.SGD([
             {"params": self.net.parameters(), "lr": 0.05, "momentum": 0.9},
@@ -174,6 +188,8 @@ def main() -> None:
     p.add_argument("--slow-replica", type=int, default=-1, help="this replica sleeps 5x --step-sleep per batch")
     p.add_argument("--hold-for-regrow-from", type=int, default=-1,
                    help="from this global step on, a shrunk group waits for its replacement to be announced")
+    p.add_argument("--then", default="", help="stages after fit, e.g. 'validate,test,predict', on the val samples")
+    p.add_argument("--eval-sleep", type=float, default=0.0, help="seconds each test batch takes")
     p.add_argument("--fault", default=None)
     p.add_argument("--spares", type=int, default=0)
     p.add_argument("--events", default=None)
@@ -223,6 +239,14 @@ def main() -> None:
         val_loader = DataLoader(Regression(args.val_samples, args.dim, split=1), batch_size=16)
     trainer.fit(model, loader, val_loader, ckpt_path=args.resume)
 
+    stages = {}
+    model.eval_sleep = args.eval_sleep
+    for stage in filter(None, args.then.split(",")):
+        if stage == "predict":
+            stages[stage] = torch.cat(trainer.predict(model, val_loader)).reshape(-1).tolist()
+        else:
+            stages[stage] = getattr(trainer, stage)(model, val_loader)
+        stages[f"{stage}_fn"] = trainer.state.fn.value
     replica_checksums = getattr(trainer.strategy, "replica_checksums", {})
     result = {
         "checksum": weights_checksum(model),
@@ -232,6 +256,7 @@ def main() -> None:
         "counts": (-model.seen.detach()).tolist(),
         "callback_metrics": sorted(trainer.callback_metrics),
         "state": trainer.state.status.value,
+        "stages": stages,
     }
     ctx = worker_context()  # under monarch-run every replica runs this script and writes its own result
     suffix = f"-{ctx.replica_id}" if ctx else ""
