@@ -119,7 +119,8 @@ class MonarchTrainer(Trainer):
         super().__init__(config)
         if config.monarch.enable:
             self._session = ReplicaSession(ctx, _HealState(self))
-            self._reducer = GradientReducer(self._params(), self._session.device, overlap=False)
+            self._reducer = GradientReducer(self._params(), self._session.device, overlap=False,
+                                            buffers=[b for part in self.model_parts for b in part.buffers()])
             # torchtitan counted accumulation over this replica alone; a micro-batch spans every replica here.
             self.gradient_accumulation_steps = self.dataloader.config.micro_batches
             self.checkpointer = _OneWriter(self.checkpointer, self._session)
@@ -182,6 +183,7 @@ class MonarchTrainer(Trainer):
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
         tokens_before = self.ntokens_seen
         session.flags.set_phase("compute", self.step)
+        self._reducer.begin_attempt(self.step)
         session.begin_step(self._reducer, 1.0)
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.gradient_accumulation_steps):
