@@ -162,6 +162,11 @@ class Unpicklable(Model):
         self.lock = threading.Lock()
 
 
+def _batches(text: str) -> int | float:
+    """Lightning's batch limits: an int counts batches, a float is a fraction of the epoch."""
+    return float(text) if "." in text else int(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--strategy", default="monarch",
@@ -176,8 +181,8 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
     p.add_argument("--accumulate-schedule", default=None,
                    help="GradientAccumulationScheduler, e.g. '0:2,1:3' (epoch:factor)")
-    p.add_argument("--limit-train-batches", type=float, default=None, help="Trainer(limit_train_batches=...)")
-    p.add_argument("--overfit-batches", type=float, default=0.0, help="Trainer(overfit_batches=...)")
+    p.add_argument("--limit-train-batches", type=_batches, default=None, help="Trainer(limit_train_batches=...)")
+    p.add_argument("--overfit-batches", type=_batches, default=0, help="Trainer(overfit_batches=...)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the training DataLoader")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...), by value")
