@@ -311,8 +311,10 @@ def test_epochs_steps_samples_and_batchnorm_match_ddp_spawn_with_and_without_a_s
 
 @pytest.mark.timeout(300)
 def test_fit_then_test_and_predict_return_a_single_devices_results_and_survive_a_death_mid_test(lightning_run):
-    run = lightning_run().start("--devices", "2", "--samples", "64", "--batch", "8", "--epochs", "1",
-                                "--val-samples", "48", "--then", "test,predict", "--eval-sleep", "1.0")
+    # fit with StochasticWeightAveraging on a BatchNorm model: it changes accumulate_grad_batches for an extra
+    # epoch and replaces the BatchNorm buffers, which must still end equal on every replica (or fit raises).
+    run = lightning_run().start("--devices", "2", "--samples", "64", "--batch", "8", "--epochs", "2", "--swa",
+                                "--batchnorm", "--val-samples", "48", "--then", "test,predict", "--eval-sleep", "1.0")
     test_events = run.tmp / "events-test.jsonl"  # each stage keeps its own record; fit's stays in events.jsonl
 
     def test_spawns():
@@ -326,7 +328,7 @@ def test_fit_then_test_and_predict_return_a_single_devices_results_and_survive_a
     stages = run.result()["stages"]
     assert stages["test_fn"] == "test" and stages["predict_fn"] == "predict"  # trainer.state came back
     assert '"death"' in test_events.read_text() and len(test_spawns()) == 2, run.output  # nobody respawned
-    model = lightning_fit.Model(64, 1, 8, 16, 0.0, str(run.out))
+    model = lightning_fit.Model(64, 3, 8, 16, 0.0, str(run.out), batchnorm=True)
     model.load_state_dict(torch.load(run.out / "weights.pt"))
     model.eval()
     data = lightning_fit.Regression(48, 8, split=1)

@@ -126,7 +126,7 @@ def test_buffers_are_averaged_at_commit_and_a_retried_attempt_starts_from_the_fi
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
     bn = model[1]
-    reducer = GradientReducer(list(model.parameters()), torch.device("cpu"), buffers=list(model.buffers()))
+    reducer = GradientReducer(list(model.parameters()), torch.device("cpu"), buffers_of=[model])
     x = torch.randn(6, 4)
 
     reducer.begin_attempt(0)

@@ -95,7 +95,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
 
     def _make_reducer(self, module: torch.nn.Module) -> GradientReducer:
         return GradientReducer(list(module.parameters()), self._session.device, overlap=False,
-                               buffers=list(module.buffers()))
+                               buffers_of=[module])
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """FSDP has reduce-scattered within the replica when backward returns; reduce across replicas now, so

@@ -243,7 +243,7 @@ class MonarchStrategy(ParallelStrategy):
         self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
 
     def _make_reducer(self, module: torch.nn.Module) -> GradientReducer:
-        return GradientReducer(list(module.parameters()), self._session.device, buffers=list(module.buffers()))
+        return GradientReducer(list(module.parameters()), self._session.device, buffers_of=[module])
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)

@@ -120,7 +120,7 @@ class MonarchTrainer(Trainer):
         if config.monarch.enable:
             self._session = ReplicaSession(ctx, _HealState(self))
             self._reducer = GradientReducer(self._params(), self._session.device, overlap=False,
-                                            buffers=[b for part in self.model_parts for b in part.buffers()])
+                                            buffers_of=self.model_parts)
             # torchtitan counted accumulation over this replica alone; a micro-batch spans every replica here.
             self.gradient_accumulation_steps = self.dataloader.config.micro_batches
             self.checkpointer = _OneWriter(self.checkpointer, self._session)

@@ -108,7 +108,7 @@ class ElasticLoop:
         self.session = ReplicaSession(self.ctx, self) if self.ctx else None
         self.reducer = (
             GradientReducer(list(model.parameters()), self.session.device, overlap=overlap,
-                            buffers=list(model.buffers()))
+                            buffers_of=[model])
             if self.session else None
         )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]

@@ -52,11 +52,13 @@ class GradientReducer:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], device: torch.device, overlap: bool = True,
-                 buffers: list[torch.Tensor] = ()):
+                 buffers_of: list[torch.nn.Module] = ()):
         self.params = [p for p in params if p.requires_grad]
         self.device = device
-        self.buffers = [b for b in buffers if not (b.is_complex() or b.dtype == torch.bool)]
-        """Averaged at commit; complex and boolean buffers (rotary tables, masks) are constants and left alone."""
+        self.buffers_of = list(buffers_of)
+        """Modules whose buffers are averaged at commit, looked up at every use: code that replaces a buffer
+        tensor rather than writing into it (Lightning's StochasticWeightAveraging resets BatchNorm that way)
+        must not leave the reducer averaging the old one."""
         self._attempted_step: int | None = None
         self._buffers_at_first_attempt: list[torch.Tensor] = []
         self.buckets: list[list[torch.nn.Parameter]] = []
@@ -101,15 +103,19 @@ class GradientReducer:
     def begin_attempt(self, step: int) -> None:
         """Call before the first forward of every attempt at `step`: the first keeps the buffers, a retry (the
         attempt before it was dropped, or cut for a generation that is gone) restores them."""
-        if not self.buffers:
-            return
+        buffers = self.buffers
         if step == self._attempted_step:
             with torch.no_grad():
-                for b, saved in zip(self.buffers, self._buffers_at_first_attempt):
+                for b, saved in zip(buffers, self._buffers_at_first_attempt):
                     b.copy_(saved)
             return
         self._attempted_step = step
-        self._buffers_at_first_attempt = [b.detach().clone() for b in self.buffers]
+        self._buffers_at_first_attempt = [b.detach().clone() for b in buffers]
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers averaged at commit; complex and boolean ones (rotary tables, masks) are constants."""
+        return [b for m in self.buffers_of for b in m.buffers() if not (b.is_complex() or b.dtype == torch.bool)]
 
     def arm(self, pg, weight: float, flags: Flags, gen: int, timeout_s: float) -> None:
         """Start a step: its backward reduces on `pg` as it goes."""
@@ -212,16 +218,17 @@ class GradientReducer:
             finally:
                 self._pg = None
         grow = bool(self._buffers[-1][-1] > 0)
-        if not metrics and not self.buffers:
+        buffers = self.buffers
+        if not metrics and not buffers:
             return grow, []
         side = torch.cat([
             torch.tensor(metrics, dtype=torch.float64, device=self.device),
-            *(_local(b).reshape(-1).to(self.device, torch.float64) * self._weight for b in self.buffers),
+            *(_local(b).reshape(-1).to(self.device, torch.float64) * self._weight for b in buffers),
         ])
         wait_all([pg.allreduce([side])], self._flags, self._gen, self._timeout_s)
         offset = len(metrics)
         with torch.no_grad():
-            for b in self.buffers:
+            for b in buffers:
                 local = _local(b)
                 mean = side[offset : offset + local.numel()].view_as(local)
                 local.copy_(mean if local.is_floating_point() else mean.round())

@@ -27,7 +27,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -185,6 +185,8 @@ def main() -> None:
     p.add_argument("--overfit-batches", type=_batches, default=0, help="Trainer(overfit_batches=...)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the training DataLoader")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
+    p.add_argument("--swa", action="store_true",
+                   help="StochasticWeightAveraging from epoch 1 (with --batchnorm it adds an epoch that refits BN)")
     p.add_argument("--clip", type=float, default=None, help="Trainer(gradient_clip_val=...), by value")
     p.add_argument("--val-samples", type=int, default=0, help="validate on this many samples (0: no validation)")
     p.add_argument("--val-interval", type=int, default=None, help="Trainer(val_check_interval=...) in batches")
@@ -208,7 +210,7 @@ def main() -> None:
     pl.seed_everything(0)
     global_batch = args.batch * args.devices
     cls = Unpicklable if args.unpicklable else Model
-    model = cls(args.samples, args.epochs, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
+    model = cls(args.samples, args.epochs + args.swa, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
                 args.slow_replica, args.devices // max(args.fsdp, 1), args.hold_for_regrow_from, args.batchnorm)
     if args.strategy == "single":
         strategy, devices, batch = "auto", 1, global_batch
@@ -223,6 +225,8 @@ def main() -> None:
             strategy = MonarchStrategy(**knobs)
         devices, batch = args.devices, args.batch
     callbacks = []
+    if args.swa:
+        callbacks.append(StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1))
     if args.accumulate_schedule:
         schedule = dict(map(int, kv.split(":")) for kv in args.accumulate_schedule.split(","))
         callbacks.append(GradientAccumulationScheduler(scheduling=schedule))
