@@ -3,13 +3,15 @@ real Monarch procs under `monarch-run`, real gloo, a real SIGKILL sent by this t
 baselines are the same script under `torchrun` (DDP) and under plain `python`.
 
 Every run is `tests/workloads/hf_train.py` as a subprocess, started through the shared harness, which kills
-every pid the run reported, pass or fail.
+every pid the run reported, pass or fail. The stream's cursor (`ElasticStream`) is also tested alone, in this
+process, on real `datasets` streams.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -21,6 +23,9 @@ import torch
 pytest.importorskip("transformers")
 
 from conftest import ElasticRun, alive, run_factory  # noqa: E402
+from torch.utils.data import IterableDataset  # noqa: E402
+
+from monarch_plugin.integrations.hf._stream import ElasticStream  # noqa: E402
 
 WORKLOAD = Path(__file__).parent / "workloads" / "hf_train.py"
 INACTIVE = "MonarchElasticCallback is inactive"
@@ -32,6 +37,13 @@ class HFRun(ElasticRun):
     def start(self, *launcher: str, script_args: tuple[str, ...] = ()) -> HFRun:
         return super().start(*launcher, "--join-timeout", "120", script=WORKLOAD,
                              script_args=("--out", str(self.out), *script_args))
+
+    def start_default_events(self, *launcher: str, script_args: tuple[str, ...] = ()) -> HFRun:
+        """`start` without `--events`: monarch-run then writes its default, in its working directory."""
+        self.events_path = self.tmp / "monarch_events.jsonl"
+        cmd = [sys.executable, "-m", "monarch_plugin.cli", "--checkpoint-dir", str(self.tmp / "ckpt"), *launcher,
+               "--join-timeout", "120", str(WORKLOAD), "--out", str(self.out), *script_args]
+        return self._popen(cmd)
 
     def start_ddp(self, nproc: int, *script_args: str) -> HFRun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -185,6 +197,7 @@ def test_bad_input_stops_the_run_with_a_message_that_names_the_fix(hf_run):
     # 49 samples in global batches of 4 x 1 replica end each epoch with 1 sample for up to 2 replicas.
     uneven = hf_run().start("--replicas", "1", "--max-replicas", "2", script_args=("--samples", "49", "--batch", "4"))
     deepspeed = hf_run().start("--replicas", "1", script_args=("--bad", "deepspeed"))
+    workers = hf_run().start("--replicas", "1", script_args=("--stream", "torch", "--max-steps", "4", "--workers", "2"))
     assert uneven.wait(timeout=120) == 1
     assert "ValueError: per_device_train_batch_size=4 x 1 replica(s) is a global batch of 4" in uneven.output
     assert "cannot be split over up to 2 replicas" in uneven.output
@@ -192,7 +205,156 @@ def test_bad_input_stops_the_run_with_a_message_that_names_the_fix(hf_run):
     assert deepspeed.wait(timeout=120) == 1
     assert "ValueError: DeepSpeed is not supported by MonarchElasticCallback" in deepspeed.output
     assert "Remove `deepspeed=` from TrainingArguments" in deepspeed.output
-    for run in (uneven, deepspeed):
+    assert workers.wait(timeout=120) == 1
+    assert "ValueError: dataloader_num_workers=2 with a streaming train_dataset is not supported" in workers.output
+    assert "Set dataloader_num_workers=0" in workers.output
+    for run in (uneven, deepspeed, workers):
         assert not run.results() and not run.events("quorum")  # rejected before any training
         for replica_pids in run.pids().values():
             assert not any(alive(pid) for pid in replica_pids)
+
+
+@pytest.mark.timeout(240)
+def test_streaming_dataset_sigkill_mid_pass_every_sample_of_the_stream_trained_once(hf_run):
+    # A datasets.IterableDataset (it has state_dict) of 96 samples; 3 replicas x 4 samples a global micro-batch, 2
+    # micro-batches a step: 4 steps a pass, 5 passes. The survivors hold step 9, so the replacement joins inside
+    # pass 2 and is positioned there by the stream's own state.
+    pytest.importorskip("datasets")
+    passes, samples, pause = 5, 96, 9
+    per_pass = samples // (4 * 3 * 2)
+    steps = passes * per_pass
+    run = hf_run().start("--replicas", "3", "--min-replicas", "2", script_args=(
+        "--replicas", "3", "--stream", "datasets", "--count", "--max-grad-norm", "0", "--batch", "4",
+        "--accumulate", "2", "--samples", str(samples), "--epochs", str(passes), "--max-steps", str(steps),
+        "--step-sleep", "0.1", "--pause-at", str(pause)))
+    run.wait_for(lambda: run.progress(0) >= 2, timeout=150, what="replica 0 to reach step 2")
+    pids = run.pids()
+    os.kill(pids[0][0], signal.SIGKILL)
+    run.wait_for(lambda: any(3 in q["members"] for q in run.events("quorum")), timeout=150,
+                 what="the replacement to be ready and admitted")
+    (run.out / "release").touch()
+
+    assert run.wait(timeout=150) == 0, run.output
+    results = run.results()
+    assert set(results) == {"1", "2", "3"}, run.output
+    assert results["3"]["initial"] is False
+    assert {r["checksum"] for r in results.values()} == {results["1"]["checksum"]}
+    assert {(r["global_step"], r["train_output_step"]) for r in results.values()} == {(steps, steps)}
+    # Every sample of every pass over the stream took part in exactly one committed step, across the death, the
+    # shrunk steps and the replacement's entry mid-pass.
+    for r in results.values():
+        counts = torch.tensor(r["counts"])
+        torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1, 2], [1, 2], [1, 2, 3]]
+    assert {d["replica"] for d in run.events("dropped_step")} == {1, 2}
+    joined = next(h["step"] for h in run.events("heal") if h["recipients"] == [3])
+    assert pause < joined < pause + 3 and joined % per_pass, joined  # inside a pass, not at its start
+    assert "do not fill an optimizer step" not in run.output  # 96 samples are whole steps
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)
+
+
+@pytest.mark.timeout(300)
+def test_streaming_dataset_added_late_matches_torchrun_and_its_give_up_checkpoint_resumes_mid_pass(hf_run):
+    # A plain torch IterableDataset (no state_dict: positioned by skipping) of 48 samples; 2 replicas x 4 samples x 2
+    # micro-batches: 3 steps a pass, 3 passes. The elastic run adds the callback with trainer.add_callback after
+    # Trainer(...), and leaves the events file to monarch-run's default.
+    common = ("--replicas", "2", "--stream", "torch", "--count", "--max-grad-norm", "0", "--batch", "4",
+              "--accumulate", "2", "--samples", "48", "--epochs", "3", "--max-steps", "9")
+    elastic = hf_run().start_default_events("--replicas", "2", script_args=(*common, "--add-late"))
+    ddp = hf_run().start_ddp(2, *common)
+    stopped = hf_run().start("--replicas", "2", "--min-replicas", "2", "--fault", "sigkill:replica=0:step=5",
+                             script_args=common)
+    assert ddp.wait(timeout=240) == 0, ddp.output
+    assert elastic.wait(timeout=240) == 0, elastic.output
+    assert stopped.wait(timeout=240) == 1, stopped.output
+
+    results = elastic.results()
+    assert set(results) == {"0", "1"} and {r["global_step"] for r in results.values()} == {9}
+    assert results["0"]["checksum"] == results["1"]["checksum"]
+    for r in results.values():
+        counts = torch.tensor(r["counts"])
+        torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+    # Added late, it still joined ahead of the other callbacks: one main replica.
+    assert {k: (r["main"], r["world_process_zero"]) for k, r in results.items()} == {
+        "0": (True, True), "1": (False, False)}
+    # The same global batches of the stream in the same order as torchrun's (accelerate dispatches slices of
+    # each one), so the same weights: the late-added callback did shape the data.
+    assert ddp.results()["rank0"]["global_step"] == 9
+    _assert_close(elastic.weights("0"), ddp.weights("rank0"), rtol=1e-4, atol=1e-5)
+    # The events file stays monarch-run's choice, made before any replica runs the script: not output_dir.
+    assert elastic.events("spawn") and not (elastic.out / "hf" / "monarch_events.jsonl").exists()
+    assert "events in monarch_events.jsonl" in elastic.output
+
+    # Replica 0 died at step 5, inside pass 1: the survivor's checkpoint carries the stream's position.
+    give_up = stopped.events("give_up")
+    assert len(give_up) == 1 and give_up[0]["checkpoint"] == str(stopped.out / "hf" / "checkpoint-5"), give_up
+    assert (Path(give_up[0]["checkpoint"]) / "monarch_stream.pt").is_file()
+    resumed = hf_run().start("--replicas", "2", script_args=(*common, "--resume", give_up[0]["checkpoint"]))
+    assert resumed.wait(timeout=180) == 0, resumed.output
+    assert {r["global_step"] for r in resumed.results().values()} == {9}
+    _assert_close(resumed.weights("0"), elastic.weights("0"), rtol=0, atol=0)
+
+
+class _Numbers(IterableDataset):
+    """0..n-1 as a plain stream (no state_dict, no set_epoch)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        return ({"idx": i} for i in range(self.n))
+
+
+def _stream_of(kind: str, n: int, seed: int | None = 0):
+    if kind == "torch":
+        return _Numbers(n)
+    datasets = pytest.importorskip("datasets")
+    stream = datasets.Dataset.from_dict({"idx": list(range(n))}).to_iterable_dataset(num_shards=4)
+    return stream.shuffle(seed=seed, buffer_size=8) if kind == "shuffled" else stream
+
+
+def _train(stream: ElasticStream, steps: int) -> list[tuple[int, list[int]]]:
+    """(pass, sample ids) of each step the stream hands out, each committed."""
+    trained = []
+    for _ in range(steps):
+        window = stream.window()
+        if window is None:
+            break
+        trained.append((stream.epoch, [s["idx"] for s in window]))
+        stream.commit()
+    return trained
+
+
+@pytest.mark.parametrize("kind", ["datasets", "shuffled", "torch"])
+def test_a_stream_newcomer_positioned_at_the_cursor_reads_what_its_peers_read(kind):
+    # datasets: by the stream's own state. shuffled: datasets documents that the state loses the shuffle buffer, so
+    # the fingerprint check replaces it by replaying the pass. torch: no state, replayed.
+    reference = _train(ElasticStream(_stream_of(kind, 50), 4, 2), 20)
+    donor = ElasticStream(_stream_of(kind, 50), 4, 2)
+    head = _train(donor, 8)  # two steps into the second pass
+    newcomer = ElasticStream(_stream_of(kind, 50), 4, 2)
+    survivor = ElasticStream(_stream_of(kind, 50), 4, 2)
+    _train(survivor, 7)
+    survivor.window()  # it holds step 8's samples, dropped here but committed by the donor
+    state = donor.state_dict()
+    newcomer.load_state_dict(pickle.loads(pickle.dumps(state)))  # as the heal sends it
+    survivor.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert head + _train(newcomer, 12) == reference
+    assert head + _train(survivor, 12) == reference
+
+
+def test_a_stream_pass_trains_whole_steps_and_a_stream_that_differs_between_replicas_is_refused(caplog):
+    # 52 samples in steps of 4 x 2: each pass trains 6 whole steps, and its last 4 samples are not trained.
+    trained = _train(ElasticStream(_stream_of("torch", 52), 4, 2), 13)
+    assert [p for p, _ in trained] == [0] * 6 + [1] * 6 + [2]
+    for p in (0, 1):
+        assert sorted(i for q, ids in trained if q == p for i in ids) == list(range(48))
+    assert "ends with 4 sample(s) that do not fill an optimizer step of 8" in caplog.text
+    with pytest.raises(ValueError, match="fewer than one optimizer step takes"):
+        ElasticStream(_stream_of("torch", 7), 4, 2).window()
+    # Shuffled with no seed, each process reads its own order: caught at the first heal, not trained on.
+    donor = ElasticStream(_stream_of("shuffled", 50, seed=None), 4, 2)
+    newcomer = ElasticStream(_stream_of("shuffled", 50, seed=None), 4, 2)
+    with pytest.raises(RuntimeError, match=r"seed its shuffling"):
+        newcomer.load_state_dict(donor.state_dict())

@@ -4,33 +4,41 @@ A `TrainerCallback` sees the training loop's events but not the `Trainer`, and t
 lives in local variables of `Trainer._inner_training_loop`. Three kinds of access go beyond the callback API:
 
 * **Finding the Trainer.** `on_init_end` is dispatched from `Trainer.__init__`; the Trainer is the `self` of
-  that frame. A callback added later with `trainer.add_callback` never sees `on_init_end`, and the callback
-  refuses to run rather than train with the wrong data order.
+  that frame. A callback added later with `trainer.add_callback` never sees `on_init_end`, and no event reaches
+  it before `train()` has built its loader and computed its schedule from it (too late to shard the data), and
+  run the other callbacks' `on_train_begin` (too late to say which replica reports). So `Trainer.add_callback`
+  itself is wrapped, once, on the class (`attach_on_add_callback`): it adds the callback as before, then hands
+  the Trainer to it. Only additions of the callback's own type are affected.
 * **Public methods replaced on this one instance**, each within its documented contract:
-  `get_train_dataloader` (returns the loader built around the runtime's sampler), `log` (HF's training log line
-  also carries `elastic/replicas`) and `save_model` ("will only save from the main process": the main process
-  is rank 0 of the current generation).
+  `get_train_dataloader` (returns the loader built around the runtime's sampler, or a stream's), `log` (HF's
+  training log line also carries `elastic/replicas`), `save_model` ("will only save from the main process": the
+  main process is rank 0 of the current generation) and `train` (records which checkpoint it resumes from, where
+  a stream's position was saved).
 * **Private, version-checked** (`CHECKED_ON`): `Trainer._run_epoch`, wrapped so that a replacement healed
-  mid-run enters the epoch loop where its peers are, through the loop's own resume-from-checkpoint path (skip
-  the epochs and micro-batches already trained); `_globalstep_last_logged` / `_initial_global_step`, moved to
-  the healed step so its logged loss and train metrics cover what it trained; and `_save_checkpoint`, for the
-  checkpoint the survivors write when the run gives up (the one HF writes for `save_steps`, resumable with
-  `resume_from_checkpoint`).
+  mid-run, or a streaming run resumed from a checkpoint (HF would skip `global_step x gradient_accumulation_steps`
+  micro-batches of a fresh stream), enters the epoch loop where its peers are, through the loop's own
+  resume-from-checkpoint path (skip the epochs and micro-batches already trained); `_globalstep_last_logged` /
+  `_initial_global_step`, moved to the healed step so its logged loss and train metrics cover what it trained;
+  and `_save_checkpoint`, for the checkpoint the survivors write when the run gives up (the one HF writes for
+  `save_steps`, resumable with `resume_from_checkpoint`).
 
 `install` checks the private signatures first and names the transformers version they were checked on.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import transformers
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-__all__ = ["CHECKED_ON", "find_trainer", "install", "move_loop_counters", "save_checkpoint"]
+__all__ = ["CHECKED_ON", "attach_on_add_callback", "checkpoint_folder", "find_trainer", "install",
+           "move_loop_counters", "save_checkpoint"]
 
 CHECKED_ON = "5.24.0"
 
@@ -56,6 +64,23 @@ def find_trainer() -> Trainer | None:
         del frame
 
 
+def attach_on_add_callback(kind: type, attach: Callable[[Any, Trainer], None]) -> None:
+    """From now on, `trainer.add_callback(c)` of a `kind` (instance or class) also calls `attach(added, trainer)`."""
+    if getattr(Trainer.add_callback, "_attaches", None) is not None:
+        return
+    original = Trainer.add_callback
+
+    @functools.wraps(original)
+    def add_callback(self, callback):
+        original(self, callback)
+        added = self.callback_handler.callbacks[-1]  # CallbackHandler appends (an instance, for a class)
+        if isinstance(added, kind):
+            attach(added, self)
+
+    add_callback._attaches = kind
+    Trainer.add_callback = add_callback
+
+
 def _unsupported(missing: str) -> RuntimeError:
     return RuntimeError(
         f"MonarchElasticCallback was checked on transformers {CHECKED_ON}; this Trainer (transformers "
@@ -76,17 +101,26 @@ def install(trainer: Trainer, owner: Any) -> None:
     """Route this Trainer's training data, epoch entry, logs and model saving through `owner`, the callback.
 
     `owner._build_loader(original_loader)` returns the elastic training loader; `owner._entry_position()` returns
-    (epoch, micro-batch) where a replacement healed mid-run must enter the epoch loop, else None (asked once, when
-    the loop starts); `owner._training_done()` says the healed state already reached `max_steps`;
+    (epoch, micro-batch) where a replacement healed mid-run (or a resumed stream) must enter the epoch loop, else
+    None (asked once, when the loop starts); `owner._training_done()` says the healed state already reached `max_steps`;
     `owner._annotate_log(logs)` adds the replica count to a training log; `owner.is_main_replica` says this
-    replica is the one that writes.
+    replica is the one that writes; `owner._resume_from` is set to the checkpoint `train()` resumes from.
     """
     _check_version(trainer)
+    original_train = trainer.train
     original_loader = trainer.get_train_dataloader
     original_run_epoch = trainer._run_epoch
     original_log = trainer.log
     original_save = trainer.save_model
     entry: list = []  # [(epoch, micro-batch) or None], read at the first epoch, after on_train_begin healed
+
+    def train(resume_from_checkpoint=None, *args, **kwargs):
+        # HF's own reading of the argument: True is the newest checkpoint in output_dir, False is none.
+        path = resume_from_checkpoint
+        if path is True:
+            path = get_last_checkpoint(trainer.args.output_dir)
+        owner._resume_from = path or None
+        return original_train(resume_from_checkpoint, *args, **kwargs)
 
     def get_train_dataloader():
         return owner._build_loader(original_loader())
@@ -115,6 +149,7 @@ def install(trainer: Trainer, owner: Any) -> None:
         if owner.is_main_replica:
             original_save(output_dir, _internal_call=_internal_call)
 
+    trainer.train = train
     trainer.get_train_dataloader = get_train_dataloader
     trainer._run_epoch = run_epoch
     trainer.log = log
@@ -129,8 +164,13 @@ def move_loop_counters(trainer: Trainer, step: int) -> None:
         setattr(trainer, name, step)
 
 
+def checkpoint_folder(trainer: Trainer) -> str:
+    """Where `_save_checkpoint` writes the checkpoint of the current `global_step` (no hyperparameter search)."""
+    folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    return os.path.abspath(os.path.join(trainer.args.output_dir, folder))
+
+
 def save_checkpoint(trainer: Trainer) -> str:
     """Write the Trainer's own `checkpoint-<global_step>` (model, optimizer, scheduler, RNG, state); its path."""
     trainer._save_checkpoint(trainer.model_wrapped, trial=None)
-    folder = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-    return os.path.abspath(os.path.join(trainer.args.output_dir, folder))
+    return checkpoint_folder(trainer)

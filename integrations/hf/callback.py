@@ -7,7 +7,9 @@ replicas goes through the runtime's `ReplicaSession`:
 * **Data.** The training loader is rebuilt around the runtime's `ElasticSampler`: one permutation per epoch (the
   one accelerate's seedable sampler would draw under torchrun), one global cursor that moves only when a step
   commits. A global micro-batch is `per_device_train_batch_size x replicas` samples, cut into contiguous shares
-  over the replicas live for that step; a step is `gradient_accumulation_steps` of them, as HF groups them.
+  over the replicas live for that step; a step is `gradient_accumulation_steps` of them, as HF groups them. A
+  streaming train_dataset (an `IterableDataset`) is read whole by every replica and cut the same way, with a
+  cursor over the stream (`_stream`).
 * **The step.** `on_step_begin` arms the runtime's reducer with this replica's share of the step's samples; the
   window's earlier micro-batches accumulate locally (the reducer's `no_sync`), and the last backward reduces the
   weighted gradients over the live replicas, so HF's clipping acts on the global-batch gradient, as with DDP.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 from typing import Any
 
@@ -40,6 +43,7 @@ from transformers.trainer_callback import ExportableState, ProgressCallback, Tra
 from transformers.utils import logging
 
 from monarch_plugin.integrations.hf import _trainer_hooks
+from monarch_plugin.integrations.hf._stream import ElasticStream
 from monarch_plugin.sampler import ElasticSampler, shard_bounds
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.collectives import CollectiveInterrupted
@@ -55,6 +59,9 @@ _INACTIVE = (
     "as usual. Launch with `monarch-run --replicas N --min-replicas M script.py` to train on elastic replicas."
 )
 
+# Written next to each checkpoint of a streaming run: where the stream is at the checkpoint's step.
+_STREAM_STATE = "monarch_stream.pt"
+
 # Per-replica fields of TrainerState that a heal must not overwrite.
 _OWN_STATE_FIELDS = {"is_local_process_zero", "is_world_process_zero", "stateful_callbacks"}
 
@@ -62,7 +69,8 @@ _OWN_STATE_FIELDS = {"is_local_process_zero", "is_world_process_zero", "stateful
 class MonarchElasticCallback(TrainerCallback):
     """Makes `Trainer.train()` survive SIGKILLed workers when the script is launched by `monarch-run`.
 
-    Pass it to the Trainer: `Trainer(..., callbacks=[MonarchElasticCallback()])`. Under `monarch-run --replicas N
+    Pass it to the Trainer: `Trainer(..., callbacks=[MonarchElasticCallback()])`, or add it with
+    `trainer.add_callback(MonarchElasticCallback())` before `train()`. Under `monarch-run --replicas N
     --min-replicas M script.py` each replica runs `train()`; a dead replica costs the others the step in flight,
     a replacement heals from a live peer and joins, and every replica returns from `train()` with identical
     weights at the exact `global_step`. Under plain `python script.py` it says once that it is inactive and does
@@ -70,11 +78,15 @@ class MonarchElasticCallback(TrainerCallback):
     """
 
     def __init__(self) -> None:
+        _trainer_hooks.attach_on_add_callback(MonarchElasticCallback, MonarchElasticCallback._attach)
         self._ctx: _context.WorkerContext | None = None
         self._trainer = None
         self._session: ReplicaSession | None = None
         self._reducer: GradientReducer | None = None
         self._sampler: ElasticSampler | None = None
+        self._stream: ElasticStream | None = None
+        """Instead of the sampler, for a streaming (iterable) train_dataset."""
+        self._resume_from: str | None = None
         self._dataset: Any = None
         self._collate: Any = None
         self._global_batch = 0
@@ -119,19 +131,30 @@ class MonarchElasticCallback(TrainerCallback):
             return self._session.rank == 0
         return self._ctx.initial and self._ctx.replica_id == 0
 
-    # -- set-up, in Trainer.__init__ --------------------------------------------------------------------------
+    # -- set-up, in Trainer.__init__ or Trainer.add_callback ---------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
-        ctx = _context.current()
-        if ctx is None:
+        if _context.current() is None:
             logger.warning_once(_INACTIVE)
             return
         trainer = _trainer_hooks.find_trainer()
         if trainer is None:
             raise RuntimeError("MonarchElasticCallback could not find the Trainer that is being built: pass it as "
                                "Trainer(..., callbacks=[MonarchElasticCallback()])")
+        self._attach(trainer)
+
+    def _attach(self, trainer) -> None:
+        """Take over `trainer`'s training data, epoch entry, logs and saving: from `Trainer.__init__`
+        (`on_init_end`), or from `trainer.add_callback` on a Trainer that has not started `train()`."""
+        ctx = _context.current()
+        if ctx is None:
+            logger.warning_once(_INACTIVE)
+            return
         if self._trainer is not None:
             raise RuntimeError("a MonarchElasticCallback serves one Trainer: create a new one for each Trainer")
+        if trainer.is_in_train:
+            raise RuntimeError("MonarchElasticCallback was added while Trainer.train() runs, after the training data "
+                               "was built: add it before calling train()")
         _check_arguments(trainer, ctx)
         self._ctx, self._trainer = ctx, trainer
         _trainer_hooks.install(trainer, self)
@@ -144,8 +167,10 @@ class MonarchElasticCallback(TrainerCallback):
         if self._trainer is not None:
             return
         if _context.current() is not None:
-            raise RuntimeError("MonarchElasticCallback was added after Trainer.__init__: pass it as "
-                               "Trainer(..., callbacks=[MonarchElasticCallback()]) so it shapes the training data")
+            raise RuntimeError("MonarchElasticCallback was added to the Trainer's callback list behind "
+                               "Trainer.add_callback's back, so it could not shape the training data: pass it as "
+                               "Trainer(..., callbacks=[MonarchElasticCallback()]) or trainer.add_callback(...) "
+                               "before train()")
         logger.warning_once(_INACTIVE)
 
     def _build_loader(self, loader: DataLoader) -> DataLoader:
@@ -153,14 +178,16 @@ class MonarchElasticCallback(TrainerCallback):
         trainer, config = self._trainer, self._ctx.config
         args = trainer.args
         dataset = loader.dataset
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError(
-                "MonarchElasticCallback shards each global batch over the live replicas by sample index: give the "
-                "Trainer a map-style train_dataset (with __len__ and __getitem__), not an IterableDataset"
-            )
-        n = len(dataset)
         self._global_batch = args.per_device_train_batch_size * config.replicas
         self._accumulate = args.gradient_accumulation_steps
+        if isinstance(dataset, IterableDataset):
+            return self._build_stream_loader(loader)
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                "MonarchElasticCallback shards each global batch over the live replicas by sample index: give the "
+                "Trainer a map-style train_dataset (with __len__ and __getitem__) or a torch IterableDataset"
+            )
+        n = len(dataset)
         tail = n % self._global_batch
         if tail and not args.dataloader_drop_last and tail < config.max_replicas:
             raise ValueError(
@@ -182,13 +209,32 @@ class MonarchElasticCallback(TrainerCallback):
             persistent_workers=loader.persistent_workers if workers else False,
         )
 
+    def _build_stream_loader(self, loader: DataLoader) -> DataLoader:
+        """The training loader for a stream: this replica's share of each global micro-batch every replica reads."""
+        args = self._trainer.args
+        if args.max_steps <= 0:
+            raise ValueError(
+                "a streaming (iterable) train_dataset has no length, so the number of steps is not known: set "
+                "TrainingArguments(max_steps=...), as HF requires for a dataset without __len__"
+            )
+        if loader.num_workers:
+            raise ValueError(
+                f"dataloader_num_workers={loader.num_workers} with a streaming train_dataset is not supported by "
+                "MonarchElasticCallback: every replica reads the whole stream in its training process, in one "
+                "order, to cut each global batch over the live replicas. Set dataloader_num_workers=0"
+            )
+        self._stream = ElasticStream(loader.dataset, self._global_batch, self._accumulate)
+        self._collate = loader.collate_fn
+        return DataLoader(_StreamShares(self), batch_size=None, collate_fn=_CollateShare(loader.collate_fn),
+                          pin_memory=loader.pin_memory)
+
     # -- joining -------------------------------------------------------------------------------------------------
 
     def _join_first(self, state) -> None:
         """`on_train_begin`, ahead of every other callback: first generation, or heal as a replacement."""
         if self._session is not None:
             raise RuntimeError("MonarchElasticCallback trains one Trainer.train() per replica")
-        if self._sampler is None:
+        if self._data is None:
             raise RuntimeError("the training DataLoader was not built by Trainer.get_train_dataloader: "
                                "MonarchElasticCallback needs it to shard data over the replicas")
         trainer = self._trainer
@@ -198,14 +244,41 @@ class MonarchElasticCallback(TrainerCallback):
             trainer.model_wrapped.require_backward_grad_sync = False
             trainer.model_wrapped.require_forward_param_sync = False
         self._step = state.global_step  # > 0 when resuming from a checkpoint
-        self._sampler.load_state_dict(self._cursor_at(self._step))
+        if self._stream is not None:
+            if self._step:
+                self._stream.load_state_dict(self._stream_checkpoint())
+        else:
+            self._sampler.load_state_dict(self._cursor_at(self._step))
         self._session = ReplicaSession(self._ctx, _HealState(self))
-        self._reducer = GradientReducer(list(trainer.model.parameters()), self._session.device)
+        self._reducer = GradientReducer(list(trainer.model.parameters()), self._session.device,
+                                        buffers_of=[trainer.model])
         resumed_at = self._step
         self._sync_generation(promote=False)
-        if self._step != resumed_at:  # a replacement healed from a peer mid-run
-            self._position = (self._sampler.epoch, self._sampler.cursor // self._global_batch)
+        # A replacement healed from a peer mid-run; or a stream resumed, whose position HF cannot work out from
+        # global_step (it takes a stream for one epoch of max_steps).
+        if self._step != resumed_at or (self._stream is not None and self._step):
+            self._position = (self._data.epoch, self._data.cursor // self._global_batch)
             _trainer_hooks.move_loop_counters(trainer, self._step)
+
+    @property
+    def _data(self) -> ElasticSampler | ElasticStream | None:
+        """What holds the data cursor (epoch, cursor): the sampler, or the stream."""
+        return self._stream if self._stream is not None else self._sampler
+
+    def _stream_checkpoint(self) -> dict:
+        """The stream's position saved with the checkpoint `train(resume_from_checkpoint=...)` resumes from."""
+        path = os.path.join(self._resume_from or "", _STREAM_STATE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"resuming a streaming train_dataset at step {self._step} needs the stream's position, which "
+                f"MonarchElasticCallback writes into every checkpoint as {_STREAM_STATE}; {path} does not exist: "
+                "resume from a checkpoint this callback wrote under monarch-run"
+            )
+        return torch.load(path)
+
+    def _save_stream_position(self, folder: str) -> None:
+        if self._stream is not None:
+            torch.save(self._stream.state_dict(), os.path.join(folder, _STREAM_STATE))
 
     def _cursor_at(self, step: int) -> dict:
         """The sampler state after `step` committed steps: HF's own resume position, as a global cursor."""
@@ -240,6 +313,7 @@ class MonarchElasticCallback(TrainerCallback):
         if session.action == "checkpoint":
             if self.is_main_replica:
                 path = _trainer_hooks.save_checkpoint(trainer)
+                self._save_stream_position(path)
                 self._ctx.events.emit("checkpoint", replica=self._ctx.replica_id, step=self._step, path=path)
             raise StopReplica("the controller gave up; checkpoint written")
 
@@ -251,8 +325,12 @@ class MonarchElasticCallback(TrainerCallback):
         ctx = self._ctx
         ctx.fault_point("step", self._step)
         self._session.flags.set_phase("compute", self._step)
-        remaining = self._sampler.steps_per_epoch(self._global_batch) - self._sampler.cursor // self._global_batch
-        self._micro_batches = min(self._accumulate, remaining)
+        self._reducer.begin_attempt(self._step)
+        if self._stream is not None:
+            self._micro_batches = self._accumulate  # a stream's passes are cut into whole steps
+        else:
+            remaining = self._sampler.steps_per_epoch(self._global_batch) - self._sampler.cursor // self._global_batch
+            self._micro_batches = min(self._accumulate, remaining)
         self._substeps = 0
         # DataLoader workers cut shares ahead of time; a share cut for an older generation is recomputed at commit.
         session = self._session
@@ -316,9 +394,12 @@ class MonarchElasticCallback(TrainerCallback):
                 redo = True
         if redone and args.max_grad_norm is not None and args.max_grad_norm > 0:
             trainer.accelerator.clip_grad_norm_(trainer.model_wrapped.parameters(), args.max_grad_norm)
-        for _ in range(self._micro_batches):
-            self._sampler.advance(self._global_batch)
-        done = (self._sampler.epoch, self._sampler.cursor)
+        if self._stream is not None:
+            self._stream.commit()
+        else:
+            for _ in range(self._micro_batches):
+                self._sampler.advance(self._global_batch)
+        done = (self._data.epoch, self._data.cursor)
         self._issued = {k: v for k, v in self._issued.items() if k >= done}
         self._step += 1
         self._committed_world = session.world
@@ -331,7 +412,8 @@ class MonarchElasticCallback(TrainerCallback):
         """Recompute the step's micro-batches on this generation's shares; the last backward reduces."""
         trainer = self._trainer
         trainer.model.zero_grad(set_to_none=True)
-        batches = [self._collate([self._dataset[i] for i in self._share(j)]) for j in range(self._micro_batches)]
+        self._reducer.begin_attempt(self._step)
+        batches = [self._collate(self._samples(self._share(j))) for j in range(self._micro_batches)]
         batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
         self._arm()
         for batch in batches[:-1]:
@@ -342,11 +424,17 @@ class MonarchElasticCallback(TrainerCallback):
     # -- data of the step in flight ---------------------------------------------------------------------------
 
     def _key(self, j: int) -> tuple[int, int]:
-        return self._sampler.epoch, self._sampler.cursor + j * self._global_batch
+        return self._data.epoch, self._data.cursor + j * self._global_batch
 
     def _micro_batch(self, j: int) -> list[int]:
+        """Global micro-batch `j` of the step in flight: dataset indices, or a stream's positions in its pass."""
+        if self._stream is not None:
+            return self._stream.positions(j)
         start = self._sampler.cursor + j * self._global_batch
         return self._sampler._epoch_order()[start : start + self._global_batch].tolist()
+
+    def _samples(self, ids: list[int]) -> list:
+        return self._stream.samples(ids) if self._stream is not None else [self._dataset[i] for i in ids]
 
     def _share(self, j: int) -> list[int]:
         batch = self._micro_batch(j)
@@ -377,6 +465,11 @@ class MonarchElasticCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         if self.active:
             control.should_save = control.should_save and self.is_main_replica
+
+    def on_save(self, args, state, control, **kwargs):
+        """The main replica saved HF's checkpoint; a stream's position goes with it (HF's has none)."""
+        if self.active:
+            self._save_stream_position(_trainer_hooks.checkpoint_folder(self._trainer))
 
     def on_train_end(self, args, state, control, **kwargs):
         """Leave together once every live replica has committed the last step (a death here is healed first)."""
@@ -424,6 +517,48 @@ class _ElasticBatchSampler:
             yield batch[start:end]
 
 
+_SKIPPED = object()
+"""What the stream loader yields for a micro-batch its pass already trained; HF's resume path discards it."""
+
+
+class _StreamShares(IterableDataset):
+    """The stream loader's dataset: this replica's share (a list of samples) of each global micro-batch of a pass.
+
+    Like `_ElasticBatchSampler`, it starts each pass from its first micro-batch, so HF's resume path (which
+    discards the micro-batches already trained) positions it; those are `_SKIPPED` placeholders, not read. It
+    ends when the pass has no whole step left, and every share is recorded with the generation it was cut for.
+    """
+
+    def __init__(self, owner: MonarchElasticCallback):
+        self.owner = owner
+
+    def __iter__(self):
+        owner, stream = self.owner, self.owner._stream
+        epoch = stream.epoch
+        yield from [_SKIPPED] * (stream.cursor // stream.global_batch)
+        step, j = None, 0  # (epoch, cursor) of the step whose micro-batch j is next
+        while stream.window() is not None and stream.epoch == epoch:
+            if (stream.epoch, stream.cursor) != step:
+                step, j = (stream.epoch, stream.cursor), 0
+            if j == stream.micro_batches:
+                raise RuntimeError("the Trainer asked for a micro-batch beyond gradient_accumulation_steps before "
+                                   "the step committed")
+            share = owner._share(j)
+            owner._issued[owner._key(j)] = (owner._session.gen, share)
+            j += 1
+            yield stream.samples(share)
+
+
+class _CollateShare:
+    """The Trainer's collator for a share of samples; the resume path's placeholders pass through."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, share):
+        return share if share is _SKIPPED else self.collate(share)
+
+
 class _HealState:
     """What a replacement (or a replica that dropped a step its peers committed) receives from a live peer.
 
@@ -441,6 +576,7 @@ class _HealState:
     def state_dict(self) -> dict:
         owner = self.owner
         trainer = owner._trainer
+        data = owner._data.state_dict()  # a stream reads ahead here: the RNG as of after that read
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -449,7 +585,7 @@ class _HealState:
             "model": trainer.model.state_dict(),
             "optimizer": trainer.optimizer.state_dict(),
             "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
-            "sampler": owner._sampler.state_dict(),
+            "data": data,
             "trainer_state": {f.name: getattr(trainer.state, f.name) for f in dataclasses.fields(TrainerState)
                               if f.name not in _OWN_STATE_FIELDS},
             "callbacks": [(type(c).__name__, c.state()) for c in trainer.callback_handler.callbacks
@@ -464,7 +600,7 @@ class _HealState:
         trainer.model.load_state_dict(state["model"])
         own = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
         trainer.optimizer.load_state_dict(state["optimizer"])
-        owner._sampler.load_state_dict(state["sampler"])
+        owner._data.load_state_dict(state["data"])
         owner._step = state["step"]
         if not whole:
             for group, hyper in zip(trainer.optimizer.param_groups, own):

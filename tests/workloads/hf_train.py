@@ -11,6 +11,11 @@ per-epoch count of committed sightings of each sample. Momentum and a step-wise 
 heal of optimizer and scheduler state matter; `--count` runs without gradient clipping (it would scale the
 counter).
 
+`--stream datasets|torch` trains on the same samples as a stream instead: a `datasets.IterableDataset` (which has
+`state_dict`) or a plain torch `IterableDataset` (which has not), `--epochs` passes over it, so `--max-steps` must
+cover them; the counter's epoch is then the pass, counted by `on_epoch_begin` (HF's `state.epoch` is a fraction
+of `max_steps` for a stream). `--add-late` adds the callback with `trainer.add_callback` after `Trainer(...)`.
+
 Each process writes DIR/result-<id>.json (global step, weight checksum, counts, log history, checkpoints it
 saved, whether it was the main replica) and DIR/weights-<id>.pt, where <id> is the replica id under monarch-run,
 `rank<RANK>` under torchrun and `single` otherwise; and DIR/progress-<id> (its global step) after every step, so
@@ -33,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+from torch.utils.data import Dataset, IterableDataset  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from monarch_plugin import weights_checksum, worker_context  # noqa: E402
@@ -52,6 +57,27 @@ class Tokens(Dataset):
     def __getitem__(self, i: int) -> dict:
         x = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(1000 + i))
         return {"input_ids": x, "labels": x.clone(), "idx": i}
+
+
+class TokenStream(IterableDataset):
+    """`Tokens` as a plain stream: no state_dict, no set_epoch."""
+
+    def __init__(self, tokens: Tokens):
+        self.tokens = tokens
+
+    def __iter__(self):
+        return (self.tokens[i] for i in range(len(self.tokens)))
+
+
+def streaming(kind: str, tokens: Tokens):
+    """The samples of `tokens`, in order, as a `--stream` of that kind."""
+    if kind == "torch":
+        return TokenStream(tokens)
+    import datasets
+
+    rows = [tokens[i] for i in range(len(tokens))]
+    columns = {key: [r[key].tolist() if torch.is_tensor(r[key]) else r[key] for r in rows] for key in rows[0]}
+    return datasets.Dataset.from_dict(columns).to_iterable_dataset(num_shards=4)
 
 
 class CountingLM(nn.Module):
@@ -75,13 +101,17 @@ class Progress(TrainerCallback):
     """Writes the global step after every step and the checkpoints this process saved; optionally slows steps, and
     holds step `pause_at` until the test creates DIR/release."""
 
-    def __init__(self, out: str, ident: str, model: nn.Module, step_sleep: float, pause_at: int):
+    def __init__(self, out: str, ident: str, model: nn.Module, step_sleep: float, pause_at: int, stream: bool):
         self.out, self.ident, self.model, self.step_sleep, self.pause_at = out, ident, model, step_sleep, pause_at
+        self.stream, self.epochs_begun = stream, 0
         self.saved: list[int] = []
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.epochs_begun += 1
 
     def on_step_begin(self, args, state, control, **kwargs):
         if isinstance(self.model, CountingLM):
-            self.model.epoch = int(state.epoch or 0)
+            self.model.epoch = self.epochs_begun - 1 if self.stream else int(state.epoch or 0)
         if self.step_sleep:
             time.sleep(self.step_sleep)
         while state.global_step == self.pause_at and not os.path.exists(os.path.join(self.out, "release")):
@@ -132,6 +162,9 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--pause-at", type=int, default=-1, help="hold this global step until DIR/release exists")
     p.add_argument("--no-callback", action="store_true")
+    p.add_argument("--stream", choices=("datasets", "torch"), default=None, help="train on a streaming dataset")
+    p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
+    p.add_argument("--add-late", action="store_true", help="trainer.add_callback(...) after Trainer(...)")
     p.add_argument("--bad", choices=("deepspeed",), default=None)
     args = p.parse_args()
 
@@ -148,7 +181,7 @@ def main() -> None:
         gradient_accumulation_steps=args.accumulate, num_train_epochs=args.epochs, max_steps=args.max_steps,
         max_grad_norm=args.max_grad_norm, learning_rate=1e-3, logging_steps=args.logging_steps,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
+        report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_num_workers=args.workers,
     )
     if args.bad == "deepspeed":
         # DeepSpeed is not installed here, so TrainingArguments cannot validate a DeepSpeed config itself; the
@@ -165,10 +198,14 @@ def main() -> None:
         lambdas = [decay, constant][: len(groups)]
         optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas))
     elastic = MonarchElasticCallback()
-    progress = Progress(args.out, ident, model, args.step_sleep, args.pause_at)
-    callbacks = [progress] if args.no_callback else [elastic, progress]
-    trainer = Trainer(model=model, args=training, train_dataset=Tokens(args.samples, args.seq, config.vocab_size),
-                      optimizers=optimizers, callbacks=callbacks)
+    progress = Progress(args.out, ident, model, args.step_sleep, args.pause_at, args.stream is not None)
+    callbacks = [progress] if args.no_callback or args.add_late else [elastic, progress]
+    dataset = Tokens(args.samples, args.seq, config.vocab_size)
+    if args.stream:
+        dataset = streaming(args.stream, dataset)
+    trainer = Trainer(model=model, args=training, train_dataset=dataset, optimizers=optimizers, callbacks=callbacks)
+    if args.add_late:
+        trainer.add_callback(elastic)
     if ctx is not None and not ctx.initial and args.pause_at >= 0:
         while _furthest_step(args.out) < args.pause_at:  # a replacement joins while the survivors hold that step
             time.sleep(0.05)
