@@ -39,12 +39,14 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--step-sleep", type=float, default=0.05, help="extra seconds per step, standing in for a bigger model")
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d in the model (its statistics are averaged at commit)")
     p.add_argument("--out", default=None, help="directory for per-replica results (tests)")
     args = p.parse_args()
 
     torch.manual_seed(0)
     x, y = make_data(args.samples, args.dim)
-    model = nn.Sequential(nn.Linear(args.dim, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
+    norm = [nn.BatchNorm1d(args.hidden)] if args.batchnorm else []
+    model = nn.Sequential(nn.Linear(args.dim, args.hidden), *norm, nn.Tanh(), nn.Linear(args.hidden, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.9)
     loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples,

@@ -22,7 +22,7 @@ def test_sigkill_mid_epoch_shrinks_regrows_and_finishes_identical(elastic_run):
     run = elastic_run()
     run.start("--replicas", "3", "--min-replicas", "2", "--join-timeout", "120",
               script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
-                           "--step-sleep", "0.08", "--out", str(run.out)))
+                           "--step-sleep", "0.08", "--batchnorm", "--out", str(run.out)))
     run.wait_for(lambda: run.progress(1) >= 8, timeout=120, what="replica 1 to reach step 8")
     pids = run.pids()
     victim = pids[1][0]
@@ -35,7 +35,7 @@ def test_sigkill_mid_epoch_shrinks_regrows_and_finishes_identical(elastic_run):
     assert set(results) == {0, 2, 3}, run.output
     assert results[0]["pid"] == pids[0][0] and results[2]["pid"] == pids[2][0]
     assert results[3]["initial"] is False
-    # Every replica holds bitwise-identical weights at the right global step.
+    # Every replica holds bitwise-identical weights and BatchNorm statistics at the right global step.
     assert {r["checksum"] for r in results.values()} == {results[0]["checksum"]}
     assert {r["step"] for r in results.values()} == {STEPS}
     # Every sample of every epoch took part in exactly one committed step.
