@@ -455,3 +455,17 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     with pytest.raises(MisconfigurationException, match=r"remove `self.automatic_optimization = False`"):
         trainer.fit(model, loader)
     assert not events.exists()  # nothing was spawned
+
+
+def test_events_default_to_the_trainers_root_dir_one_file_per_stage(tmp_path, monkeypatch):
+    monkeypatch.delenv("MONARCH_PLUGIN_EVENTS", raising=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="monarch", logger=False,
+                         default_root_dir=str(tmp_path))
+    strategy = trainer.strategy
+    assert strategy.elastic_config(root_dir=trainer.default_root_dir).events_path == str(
+        tmp_path / "monarch_events.jsonl")
+    test = strategy.elastic_config(root_dir=trainer.default_root_dir, stage="test")
+    assert test.events_path == str(tmp_path / "monarch_events-test.jsonl")
+    assert (test.max_restarts, test.spares, test.min_replicas) == (0, 0, 1)  # an evaluation stage respawns nobody
+    monkeypatch.setenv("MONARCH_PLUGIN_EVENTS", str(tmp_path / "mine.jsonl"))
+    assert strategy.elastic_config(root_dir=trainer.default_root_dir).events_path == str(tmp_path / "mine.jsonl")
