@@ -85,6 +85,21 @@ def _assert_close(mine: dict, reference: dict, **tolerance) -> None:
         torch.testing.assert_close(mine[name], tensor, msg=name, **tolerance)
 
 
+def _survivors_and_replacement_identical_each_sample_once(run, pids: dict, steps: int) -> None:
+    """Replica 0 was killed: train() returned normally on the survivors (never restarted) and on the replacement,
+    at the exact step, with identical weights, and every sample took part in exactly one committed step of each
+    epoch (counted by the gradients)."""
+    results = run.results()
+    assert set(results) == {"1", "2", "3"}, run.output
+    assert results["1"]["pid"] == pids[1][0] and results["2"]["pid"] == pids[2][0]
+    assert results["3"]["initial"] is False
+    assert {r["checksum"] for r in results.values()} == {results["1"]["checksum"]}
+    assert {(r["global_step"], r["train_output_step"]) for r in results.values()} == {(steps, steps)}
+    for r in results.values():
+        counts = torch.tensor(r["counts"])
+        torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+
+
 @pytest.mark.timeout(240)
 def test_sigkill_of_the_writer_mid_epoch_train_survives_shrinks_regrows_exactly(hf_run):
     # 3 replicas x 4 samples a global micro-batch, 2 micro-batches a step: 8 steps an epoch, 40 in all. The
@@ -104,18 +119,10 @@ def test_sigkill_of_the_writer_mid_epoch_train_survives_shrinks_regrows_exactly(
     (run.out / "release").touch()
 
     assert run.wait(timeout=150) == 0, run.output
-    results = run.results()
-    # train() returned normally on the survivors (never restarted) and on the replacement, all identical.
-    assert set(results) == {"1", "2", "3"}, run.output
-    assert results["1"]["pid"] == pids[1][0] and results["2"]["pid"] == pids[2][0]
-    assert results["3"]["initial"] is False
-    assert {r["checksum"] for r in results.values()} == {results["1"]["checksum"]}
-    assert {(r["global_step"], r["train_output_step"]) for r in results.values()} == {(steps, steps)}
     # Every sample of every epoch took part in exactly one committed step, counted by the gradients, including
     # the epoch the replacement joined halfway through.
-    for r in results.values():
-        counts = torch.tensor(r["counts"])
-        torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+    _survivors_and_replacement_identical_each_sample_once(run, pids, steps)
+    results = run.results()
 
     quorums = [q["members"] for q in run.events("quorum")]
     assert quorums == [[0, 1, 2], [1, 2], [1, 2, 3]], quorums
@@ -235,16 +242,9 @@ def test_streaming_dataset_sigkill_mid_pass_every_sample_of_the_stream_trained_o
     (run.out / "release").touch()
 
     assert run.wait(timeout=150) == 0, run.output
-    results = run.results()
-    assert set(results) == {"1", "2", "3"}, run.output
-    assert results["3"]["initial"] is False
-    assert {r["checksum"] for r in results.values()} == {results["1"]["checksum"]}
-    assert {(r["global_step"], r["train_output_step"]) for r in results.values()} == {(steps, steps)}
     # Every sample of every pass over the stream took part in exactly one committed step, across the death, the
     # shrunk steps and the replacement's entry mid-pass.
-    for r in results.values():
-        counts = torch.tensor(r["counts"])
-        torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+    _survivors_and_replacement_identical_each_sample_once(run, pids, steps)
     assert [q["members"] for q in run.events("quorum")] == [[0, 1, 2], [1, 2], [1, 2, 3]]
     assert {d["replica"] for d in run.events("dropped_step")} == {1, 2}
     joined = next(h["step"] for h in run.events("heal") if h["recipients"] == [3])

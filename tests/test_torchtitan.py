@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 import signal
@@ -89,8 +88,13 @@ def _final_records(steps: dict[tuple[int, int], list[dict]]) -> dict[int, list[d
 
 @pytest.mark.timeout(420)
 def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run(titan_run):
-    run = titan_run().start("--probe.shrunk_steps", "2")
-    reference = titan_run().start()
+    # Both deterministic (torchtitan's determinism setup must keep the CPU attention stand-in); the reference also
+    # profiles and writes TensorBoard, whose files each replica must keep apart, and leaves the events where
+    # they default to.
+    run = titan_run().start("--probe.shrunk_steps", "2", "--debug.deterministic")
+    reference = titan_run().start(
+        "--debug.deterministic", "--profiler.enable_profiling", "--profiler.profile_freq", str(STEPS),
+        "--profiler.profiler_warmup", "1", "--metrics.enable_tensorboard", default_events_path=True)
     run.wait_for(lambda: run.progress(0) >= 3, timeout=300, what="replica 0 to commit step 3")
     pids = run.pids()
     # Local rank 1 of replica 0: a shard holder of the generation's rank 0, the replica that seeded the others.
@@ -140,8 +144,20 @@ def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run
         assert records[0]["loss"] == pytest.approx(expected[step], rel=1e-5), (step, records[0], expected[step])
     assert expected[STEPS] < expected[1]
 
-    # No orphans: every worker process the run spawned is gone.
-    for replica_pids in run.pids().values():
+    # Without --monarch.events_path the events are in torchtitan's dump folder, not the working directory.
+    assert [q["members"] for q in reference.events("quorum")] == [[0, 1]]
+    assert not list(reference.tmp.glob("*.jsonl"))
+    # Each replica writes its own profiler traces and TensorBoard run: the same file names, apart.
+    traces = sorted(p.relative_to(reference.out).as_posix()
+                    for p in (reference.out / "profiling").rglob("*.json.gz"))
+    assert traces == [f"profiling/traces/replica_{r}/iteration_{STEPS}/rank{k}_trace.json.gz"
+                      for r in (0, 1) for k in (0, 1)]
+    for replica in (0, 1):
+        assert len(list((reference.out / "tb" / f"replica_{replica}").rglob("events.out.tfevents.*"))) == 1
+    assert not list((reference.out / "tb").glob("*/events.out.tfevents.*"))  # none outside a replica folder
+
+    # No orphans: every worker process the runs spawned is gone.
+    for replica_pids in [*run.pids().values(), *reference.pids().values()]:
         assert not any(alive(pid) for pid in replica_pids)
 
 
@@ -170,35 +186,6 @@ def test_too_few_replicas_stop_with_a_torchtitan_checkpoint_that_resumes_exactly
     for local in (0, 1):
         assert outcome[0, local]["checksum"] == outcome[1, local]["checksum"]
     for replica_pids in [*run.pids().values(), *resumed.pids().values()]:
-        assert not any(alive(pid) for pid in replica_pids)
-
-
-@pytest.mark.timeout(300)
-def test_deterministic_profiled_run_writes_each_replicas_outputs_apart_and_events_into_the_dump_folder(titan_run):
-    steps = 3
-    run = titan_run().start(
-        "--training.steps", str(steps), "--debug.seed", "42", "--debug.deterministic",
-        "--profiler.enable_profiling", "--profiler.profile_freq", str(steps), "--profiler.profiler_warmup", "1",
-        "--metrics.enable_tensorboard", default_events_path=True)
-    assert run.wait(timeout=240) == 0, run.output
-
-    # --debug.deterministic kept the CPU attention stand-in: every proc trained every step, to the same loss.
-    records = run.steps()
-    assert set(records) == {(0, 0), (0, 1), (1, 0), (1, 1)}, run.output
-    for step in range(1, steps + 1):
-        losses = {round(r["loss"], 9) for rs in records.values() for r in rs if r["step"] == step}
-        assert len(losses) == 1 and all(math.isfinite(x) for x in losses), (step, records)
-    # Without --monarch.events_path the events are in torchtitan's dump folder, not the working directory.
-    assert [q["members"] for q in run.events("quorum")] == [[0, 1]]
-    assert not list(run.tmp.glob("*.jsonl"))
-    # Each replica writes its own profiler traces and TensorBoard run: the same file names, apart.
-    traces = sorted(p.relative_to(run.out).as_posix() for p in (run.out / "profiling").rglob("*.json.gz"))
-    assert traces == [f"profiling/traces/replica_{r}/iteration_{steps}/rank{k}_trace.json.gz"
-                      for r in (0, 1) for k in (0, 1)]
-    for replica in (0, 1):
-        assert len(list((run.out / "tb" / f"replica_{replica}").rglob("events.out.tfevents.*"))) == 1
-    assert not list((run.out / "tb").glob("*/events.out.tfevents.*"))  # none outside a replica folder
-    for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
 
 
