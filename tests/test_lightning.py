@@ -292,6 +292,9 @@ def test_epochs_steps_samples_and_batchnorm_match_ddp_spawn_with_and_without_a_s
     assert [d["replica"] for d in killed.events("death")] == [1], killed.output
     assert killed.events("heal"), killed.output  # the replacement healed its BatchNorm statistics too
 
+    # Validation inside an accumulation window runs on the last commit's buffers, so replicas agree on it (and on
+    # what EarlyStopping or ModelCheckpoint would decide from it).
+    assert (elastic.out / "val-0").read_text() == (elastic.out / "val-1").read_text()
     reference = torch.tensor(ddp.result()["counts"])
     for run in (elastic, killed):
         assert (run.out / "trained-steps").read_text() == (ddp.out / "trained-steps").read_text() == "6"

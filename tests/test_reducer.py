@@ -145,5 +145,9 @@ def test_buffers_are_averaged_at_commit_and_a_retried_attempt_starts_from_the_fi
 
     reducer.begin_attempt(1)  # the next step keeps what step 0 committed
     model(x)
+    moved = bn.running_mean.clone()
+    with reducer.first_attempt_buffers():  # an evaluation inside the attempt sees the committed statistics
+        torch.testing.assert_close(bn.running_mean, 0.5 * local_mean)
+    torch.testing.assert_close(bn.running_mean, moved)  # and the attempt goes on with its own
     reducer.begin_attempt(1)
     torch.testing.assert_close(bn.running_mean, 0.5 * local_mean)

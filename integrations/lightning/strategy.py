@@ -115,6 +115,8 @@ class MonarchStrategy(ParallelStrategy):
         self._window_gen: Optional[int] = None
         """The generation the window's micro-batches were cut for; None before its first micro-batch."""
         self._step = 0
+        self._validation_buffers: Optional[contextlib.AbstractContextManager] = None
+        """Held while a validation runs inside a window: the last commit's buffers swapped in."""
         self._fit_loop_started = False
         self._announced_gen = -1
 
@@ -352,6 +354,20 @@ class MonarchStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         self._fit_loop_started = True
         super().on_train_start()
+
+    def on_validation_start(self) -> None:
+        """A validation inside an accumulation window (`val_check_interval`) runs on the buffers of the last
+        commit, as every replica holds them, not on this replica's own micro-batches' statistics since."""
+        super().on_validation_start()
+        if self._reducer is not None and self._window_gen is not None:
+            self._validation_buffers = self._reducer.first_attempt_buffers()
+            self._validation_buffers.__enter__()
+
+    def on_validation_end(self) -> None:
+        if self._validation_buffers is not None:
+            self._validation_buffers.__exit__(None, None, None)
+            self._validation_buffers = None
+        super().on_validation_end()
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With several procs to a replica, each proc's loss is the mean over its own samples and the replica

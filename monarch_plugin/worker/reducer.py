@@ -112,6 +112,25 @@ class GradientReducer:
         self._attempted_step = step
         self._buffers_at_first_attempt = [b.detach().clone() for b in buffers]
 
+    @contextlib.contextmanager
+    def first_attempt_buffers(self):
+        """Inside an attempt at a step: the buffers as the last commit left them, for the duration.
+
+        An evaluation in the middle of an accumulation window would otherwise run on statistics each replica has
+        moved with its own micro-batches since, and replicas would disagree on metrics that decisions are taken
+        from (early stopping, the best checkpoint)."""
+        buffers = self.buffers
+        own = [b.detach().clone() for b in buffers]
+        with torch.no_grad():
+            for b, saved in zip(buffers, self._buffers_at_first_attempt):
+                b.copy_(saved)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, mine in zip(buffers, own):
+                    b.copy_(mine)
+
     @property
     def buffers(self) -> list[torch.Tensor]:
         """The buffers averaged at commit; complex and boolean ones (rotary tables, masks) are constants."""
