@@ -18,7 +18,6 @@ finishes; none is respawned (a replacement would only start the stage over).
 from __future__ import annotations
 
 import io
-import os
 from typing import Any, Callable
 
 import cloudpickle
