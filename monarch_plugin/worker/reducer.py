@@ -105,9 +105,7 @@ class GradientReducer:
         attempt before it was dropped, or cut for a generation that is gone) restores them."""
         buffers = self.buffers
         if step == self._attempted_step:
-            with torch.no_grad():
-                for b, saved in zip(buffers, self._buffers_at_first_attempt):
-                    b.copy_(saved)
+            _copy_into(buffers, self._buffers_at_first_attempt)
             return
         self._attempted_step = step
         self._buffers_at_first_attempt = [b.detach().clone() for b in buffers]
@@ -121,15 +119,11 @@ class GradientReducer:
         from (early stopping, the best checkpoint)."""
         buffers = self.buffers
         own = [b.detach().clone() for b in buffers]
-        with torch.no_grad():
-            for b, saved in zip(buffers, self._buffers_at_first_attempt):
-                b.copy_(saved)
+        _copy_into(buffers, self._buffers_at_first_attempt)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for b, mine in zip(buffers, own):
-                    b.copy_(mine)
+            _copy_into(buffers, own)
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -261,6 +255,12 @@ class GradientReducer:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(weight)
+
+
+def _copy_into(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for b, v in zip(buffers, values):
+            b.copy_(v)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
