@@ -5,6 +5,14 @@ A generation is the controller's decision of who trains together: a numbered pla
 generation it joins, catches up from a donor if it is behind, and leaves it when the controller aborts it
 (a death: drop the step in flight) or when every member agrees, inside a committed step, that a grow is
 waiting (so all members move at the same step boundary).
+
+The procs of a replica with several (FSDP shards, or DDP inside the replica) make exactly the same
+attempts in the same generations: their own collectives (FSDP's all-gathers, the user's all-reduces) pair
+up attempt by attempt, so a proc that dropped a step its sibling committed, or stepped in another
+generation, would silently train a different model from then on. They decide together, by a vote over the
+replica's own group, at the three points where a decision is taken: the end of every attempt at a step,
+the end of every attempt to join a generation, and the end of training. Which plan to join is picked by
+local rank 0 alone and followed by the others (`pick/<replica>/<n>` in the store).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from monarch_plugin.backend import device_for_backend, resolve_backend
 from monarch_plugin.worker.collectives import (
@@ -58,12 +67,18 @@ class ReplicaSession:
         self.fresh = True
         self._broken = False
         self._regroup_agreed = False
+        self._picks = 0  # plans picked so far: the others of a multi-proc replica follow local rank 0's picks
         self._heal_rate: float | None = None  # bytes/s of the last heal this worker took part in
 
     # -- generations ---------------------------------------------------------------------------------
 
     def needs_join(self) -> bool:
-        return self.gen < 0 or self._broken or self._regroup_agreed or self.flags.abort_gen > self.gen
+        if self.gen < 0 or self._broken or self._regroup_agreed:
+            return True
+        # A proc of a multi-proc replica leaves its generation only after a vote with its siblings: seen between
+        # steps, an abort it reacted to alone would have it step in the next generation while a sibling, already
+        # inside the step, finished it in this one. The step it starts instead fails at once and is dropped by all.
+        return self.intra is None and self.flags.abort_gen > self.gen
 
     def join(self, step: int) -> None:
         """Block until this worker is a member of the newest generation and holds the group's state."""
@@ -79,23 +94,52 @@ class ReplicaSession:
         self.flags.set_phase("join")
         tried = -1
         while True:
-            plan = self._next_plan(after=tried)
+            plan = self._agreed_plan(after=tried)
             tried = plan["gen"]
+            failure: CollectiveInterrupted | None = None
             try:
                 self._form(plan, step)
                 self._catch_up(step)
-                # Counted by the controller, which publishes a grow only once the generation has formed:
-                # a member leaving a half-formed generation for a newer plan would strand its peers in it.
-                self.ctx.store.add(f"formed/{self.gen}", 1)
-                return
             except CollectiveInterrupted as e:
-                self.ctx.events.emit("join_retry", gen=plan["gen"], reason=str(e))
-                abandon(self.pg)
-                self.pg = None
+                failure = e
                 if not isinstance(e, GenerationChanged):
                     # Nobody has moved on (a construction error, a heal past its bound): the controller
                     # finds out who is stuck and plans the next generation; this worker waits for it.
                     self.ctx.store.add(f"stalled/{plan['gen']}", 1)
+            if not self._vote(failed=failure is not None, gen=plan["gen"])[0]:
+                # Counted by the controller, which publishes a grow only once the generation has formed:
+                # a member leaving a half-formed generation for a newer plan would strand its peers in it.
+                self.ctx.store.add(f"formed/{self.gen}", 1)
+                return
+            reason = str(failure) if failure else "another proc of this replica could not join this generation"
+            self.ctx.events.emit("join_retry", gen=plan["gen"], reason=reason)
+            abandon(self.pg)
+            self.pg = None
+
+    def _agreed_plan(self, after: int) -> dict:
+        """The plan to join next: local rank 0 picks it and publishes its pick, the other procs follow."""
+        if self.intra is None:
+            return self._next_plan(after)
+        self._picks += 1
+        key = f"pick/{self.ctx.replica_id}/{self._picks}"
+        store = self.ctx.store
+        if self.ctx.local_rank == 0:
+            try:
+                plan = self._next_plan(after)
+            except (StopReplica, TimeoutError) as e:
+                store.set(key, json.dumps({"stop": type(e).__name__, "reason": str(e)}))
+                raise
+            store.set(key, json.dumps(plan))
+            return plan
+        started = time.monotonic()
+        while not store.check([key]):
+            if self.flags.stop:
+                raise StopReplica("the controller stopped this replica")
+            time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
+        pick = json.loads(store.get(key))
+        if "stop" in pick:
+            raise (StopReplica if pick["stop"] == StopReplica.__name__ else TimeoutError)(pick["reason"])
+        return pick
 
     def _latest(self) -> int:
         return int(self.ctx.store.get("latest"))
@@ -208,6 +252,8 @@ class ReplicaSession:
         if self.pg is None:
             reducer.scale_local(weight)
             grow, reduced = self.flags.regroup_gen > self.gen, list(metrics)
+            if self.flags.abort_gen > self.gen:  # alone, nothing else fails the step of an aborted generation
+                failure = GenerationChanged(f"generation {self.gen} superseded by {self.flags.abort_gen}")
         else:
             self.flags.set_phase("reduce")
             try:
@@ -216,7 +262,7 @@ class ReplicaSession:
                 failure, grow, reduced = e, False, list(metrics)
                 if isinstance(e, CollectiveTimedOut):
                     self.ctx.store.add(f"stalled/{self.gen}", 1)
-        failed, grow = self._agree_in_replica(failure is not None, grow)
+        failed, grow = self._vote(failed=failure is not None, gen=self.gen, grow=grow)
         if failed:
             self._broken = True
             raise failure or CollectiveInterrupted("another proc of this replica dropped the step")
@@ -224,17 +270,23 @@ class ReplicaSession:
         self.flags.set_phase("compute")
         return reduced
 
-    def _agree_in_replica(self, failed: bool, grow: bool) -> tuple[bool, bool]:
-        """The procs of one replica (its FSDP shards) must commit or drop a step together, and move to a
-        new generation together; their cross-replica groups can disagree when a peer dies mid-step.
+    def _vote(self, failed: bool, gen: int, grow: bool = False) -> tuple[bool, bool]:
+        """Whether any proc of this replica failed, and whether any saw a grow waiting: the procs of one replica
+        commit or drop an attempt together and move to a new generation together, though their cross-replica
+        groups can disagree when a peer dies mid-step.
 
         The vote is not interruptible by an abort: a proc that walked away from it while its sibling
         read the result would drop a step the sibling commits, and the two would part ways for good.
         Siblings die together (the controller kills the rest of a replica), so the vote cannot hang."""
         if self.intra is None:
             return failed, grow
-        vote = torch.tensor([float(failed), float(grow)])
-        wait_all([self.intra.allreduce([vote])], self.flags, self.gen, self.timeout_s, interruptible=False)
+        vote = torch.tensor([float(failed), float(grow), float(gen), -float(gen)])
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        wait_all([self.intra.allreduce([vote], opts)], self.flags, self.gen, self.timeout_s, interruptible=False)
+        if vote[2] != -vote[3]:
+            raise RuntimeError(f"the procs of replica {self.ctx.replica_id} voted from different generations "
+                               f"({int(-vote[3])} and {int(vote[2])}): a bug in monarch-plugin")
         return bool(vote[0] > 0), bool(vote[1] > 0)
 
     def finish(self) -> bool:
@@ -251,13 +303,17 @@ class ReplicaSession:
         store.add(key, 1)
         self.flags.set_phase("finish")
         deadline = time.monotonic() + self.ctx.config.join_timeout_s
+        aborted = False
         while store.add(key, 0) < self.world:
             if self.flags.abort_gen > self.gen or self.flags.stop:
-                self._broken = True
-                return False
+                aborted = True
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError("replicas did not all reach the end of training together")
             time.sleep(0.005)
+        if self._vote(failed=aborted, gen=self.gen)[0]:
+            self._broken = True
+            return False
         self.flags.finished_gen = self.gen
         return True
 
