@@ -10,9 +10,9 @@ skips nor repeats a sample; a dropped step is redone on the same samples, which 
 
 A newcomer is positioned at the cursor: with the stream's own `state_dict`/`load_state_dict` where it has them
 (`datasets.IterableDataset` does), else by reading the pass from its start and skipping the samples already
-trained. Either way the donor also sends a fingerprint of the next sample and the newcomer checks it: a state
-that does not restore the position exactly (datasets documents that a shuffle buffer's content is not in its
-state) is replaced by the skip, and a stream that yields different samples in different processes (shuffled
+trained. Either way the donor also sends a fingerprint of the next step's samples and the newcomer checks it: a
+state that does not restore the position exactly (datasets documents that a shuffle buffer's content is not in
+its state) is replaced by the skip, and a stream that yields different samples in different processes (shuffled
 with no seed) stops the run with an error instead of training each replica on a different stream.
 
 Where a pass cannot be cut exactly: HF's loop cannot see where a stream ends, so it cannot end a pass with a
@@ -74,7 +74,8 @@ class ElasticStream:
 
     `window()` reads the next step's samples (global micro-batch `j` is `samples(positions(j))`); `commit()`
     moves the cursor past them. Positions count samples from the start of the pass. `state_dict()` is the
-    position as of the last commit, with the stream's own state there and the next sample's fingerprint.
+    position as of the last commit, with the stream's own state there and a fingerprint of the next step's
+    samples.
     """
 
     def __init__(self, dataset, global_batch: int, micro_batches: int):
@@ -164,9 +165,11 @@ class ElasticStream:
     # -- state: as of the last commit ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        window = self.window()  # read ahead: the fingerprint of the next sample lets a newcomer check itself
+        # Read ahead: the fingerprint of the next step's samples, in order, lets a newcomer check where it stands (one
+        # sample would not do: two differently shuffled streams often start with the same one).
+        window = self.window()
         return {"epoch": self.epoch, "cursor": self.cursor, "stream": self._at,
-                "next": fingerprint(window[0]) if window else None}
+                "next": fingerprint(window) if window else None}
 
     def load_state_dict(self, state: dict) -> None:
         """Take a peer's position; a replica holding the step the peer committed just commits it."""
@@ -190,4 +193,4 @@ class ElasticStream:
 
     def _agrees(self, expected: str | None) -> bool:
         window = self.window()
-        return (fingerprint(window[0]) if window else None) == expected
+        return (fingerprint(window) if window else None) == expected
