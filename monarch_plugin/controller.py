@@ -19,7 +19,6 @@ os.environ.setdefault("HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE", "2s")
 
 import datetime  # noqa: E402
 import queue  # noqa: E402
-import re  # noqa: E402
 import select  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -35,7 +34,18 @@ from monarch_plugin.backend import accelerator_kind, resolve_backend  # noqa: E4
 from monarch_plugin.config import ElasticConfig  # noqa: E402
 from monarch_plugin.devices import plan_gpus  # noqa: E402
 from monarch_plugin.errors import ElasticRunAborted, ReplicaCodeError  # noqa: E402
-from monarch_plugin.events import EventLog, read_events  # noqa: E402
+from monarch_plugin.events import EventLog  # noqa: E402
+from monarch_plugin.protocol import (  # noqa: E402
+    WAITING_ON_PEERS,
+    Action,
+    Key,
+    Outcome,
+    Phase,
+    Plan,
+    ReplicaState,
+    mesh_names,
+    replica_of_mesh,
+)
 from monarch_plugin.target import Target  # noqa: E402
 from monarch_plugin.worker.session import FORMATION_BOUND_S  # noqa: E402
 
@@ -63,7 +73,7 @@ class _Replica:
     rid: int
     initial: bool
     slot: int = 0  # which of the host's GPU sets it holds (a replacement takes the slot its predecessor freed)
-    state: str = "spawning"  # spawning -> waiting -> member -> finished | dead | stopped
+    state: ReplicaState = ReplicaState.SPAWNING
     mesh: Any = None
     control: Any = None
     actor: Any = None
@@ -121,7 +131,7 @@ class ElasticController:
                 self.config.store_host, 0, is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=self.config.join_timeout_s),
             )
-            self.store.set("latest", "-1")
+            self.store.set(Key.LATEST, "-1")
             if self.config.events_path:  # one file per run, so reports never mix runs
                 open(self.config.events_path, "w").close()
             self.events.emit(
@@ -137,7 +147,7 @@ class ElasticController:
             self._wait_for_initial()
             self._supervise()
             return RunResult(
-                values={r.rid: r.results for r in self.replicas.values() if r.state == "finished"},
+                values={r.rid: r.results for r in self.replicas.values() if r.state == ReplicaState.FINISHED},
                 generations=self.gen + 1,
                 replicas_spawned=len(self.replicas),
                 deaths=self.deaths,
@@ -152,7 +162,7 @@ class ElasticController:
 
     def _spawn(self, initial: bool, spare: bool = False) -> None:
         rid = len(self.replicas)
-        held = {r.slot for r in self.replicas.values() if r.state in ("spawning", "waiting", "member")}
+        held = {r.slot for r in self.replicas.values() if r.state.live}
         slot = min(set(range(self.config.replicas + self.config.spares)) - held)
         replica = _Replica(rid=rid, initial=initial, slot=slot, spawned_at=time.time())
         self.replicas[rid] = replica
@@ -184,10 +194,11 @@ class ElasticController:
             **(self._gpus.env_for_slot(replica.slot) if self._gpus else {}),
         }
         try:
-            mesh = this_host().spawn_procs(per_host={"procs": k}, name=f"replica{replica.rid}")
+            mesh_name, control_name, actor_name = mesh_names(replica.rid)
+            mesh = this_host().spawn_procs(per_host={"procs": k}, name=mesh_name)
             replica.mesh = mesh
-            replica.control = mesh.spawn(f"r{replica.rid}_control", ControlActor)
-            replica.actor = mesh.spawn(f"r{replica.rid}_replica", ReplicaActor, env)
+            replica.control = mesh.spawn(control_name, ControlActor)
+            replica.actor = mesh.spawn(actor_name, ReplicaActor, env)
             infos = list(replica.control.info.call().get(timeout=self.config.join_timeout_s).values())
             replica.pids = [i["pid"] for i in infos]
             for pid in replica.pids:
@@ -216,11 +227,11 @@ class ElasticController:
             self._drain(timeout=0.02)
             if self._closing.is_set():
                 return
-            ready = [r.rid for r in self.replicas.values() if r.state == "waiting" and r.initial]
+            ready = [r.rid for r in self.replicas.values() if r.state == ReplicaState.WAITING and r.initial]
             # A target that never joins a generation (Lightning's test stage, a plain script) may return
             # before it would have been ready: it started all the same.
-            done = [r.rid for r in self.replicas.values() if r.state == "finished" and r.initial]
-            pending = [r for r in self.replicas.values() if r.state == "spawning" and r.initial]
+            done = [r.rid for r in self.replicas.values() if r.state == ReplicaState.FINISHED and r.initial]
+            pending = [r for r in self.replicas.values() if r.state == ReplicaState.SPAWNING and r.initial]
             if not pending or time.monotonic() > deadline:
                 break
         if len(ready) + len(done) < self.config.min_replicas:
@@ -258,7 +269,7 @@ class ElasticController:
             return False
         # Anyone else (a spare, a replacement admitted after that generation closed) has nothing left to
         # do; the shutdown that follows stops them.
-        return all(self.replicas[m].state in ("finished", "dead") for m in self._finishers())
+        return all(self.replicas[m].state in (ReplicaState.FINISHED, ReplicaState.DEAD) for m in self._finishers())
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -272,8 +283,8 @@ class ElasticController:
             except queue.Empty:
                 item = None
         for r in self.replicas.values():
-            if r.state == "spawning" and r.pids and self._is_ready(r):
-                r.state = "waiting"
+            if r.state == ReplicaState.SPAWNING and r.pids and self._is_ready(r):
+                r.state = ReplicaState.WAITING
 
     def _handle(self, kind: str, rid: int, payload: Any) -> None:
         replica = self.replicas.get(rid)
@@ -287,39 +298,39 @@ class ElasticController:
             self._on_return(replica, payload)
 
     def _is_ready(self, replica: _Replica) -> bool:
-        key = f"ready/{replica.rid}"
+        key = Key.ready(replica.rid)
         return self.store.check([key]) and self.store.add(key, 0) >= self.config.procs_per_replica
 
-    def _on_return(self, replica: _Replica, results: list[dict]) -> None:
-        errors = [r for r in results if r.get("status") == "error"]
+    def _on_return(self, replica: _Replica, outcomes: list[Outcome]) -> None:
+        errors = [o for o in outcomes if o.status == "error"]
         if errors:
             error = errors[0]
-            replica.state = "dead"
-            self.events.emit("user_error", replica=replica.rid, error=error["error"], stage=error["stage"])
+            replica.state = ReplicaState.DEAD
+            self.events.emit("user_error", replica=replica.rid, error=error.error, stage=error.stage)
             self._stop_everything()
-            if error["stage"] == "load":  # every replica would fail the same way: no respawn either
+            if error.stage == "load":  # every replica would fail the same way: no respawn either
                 what = (
-                    f"replica {replica.rid} could not load the target ({error['error']}): replicas run in the "
+                    f"replica {replica.rid} could not load the target ({error.error}): replicas run in the "
                     "controller's working directory with its sys.path, and what the target imports must be "
                     "importable from there; install the module or keep it in a directory the replicas can read"
                 )
             else:
-                what = f"the training code raised in replica {replica.rid}: {error['error']}"
-            raise ReplicaCodeError(f"{what}\n--- replica traceback ---\n{error['traceback']}")
-        if all(r.get("status") == "ok" for r in results):
-            replica.state = "finished"
-            replica.results = [r.get("value") for r in results]
+                what = f"the training code raised in replica {replica.rid}: {error.error}"
+            raise ReplicaCodeError(f"{what}\n--- replica traceback ---\n{error.traceback}")
+        if all(o.status == "ok" for o in outcomes):
+            replica.state = ReplicaState.FINISHED
+            replica.results = [o.value for o in outcomes]
             if self.finished_gen is None:
-                self.finished_gen = results[0].get("gen", -1)
-            self.events.emit("finished", replica=replica.rid, gen=results[0].get("gen", -1))
-        elif replica.state not in ("dead",):
-            replica.state = "stopped"
+                self.finished_gen = outcomes[0].gen
+            self.events.emit("finished", replica=replica.rid, gen=outcomes[0].gen)
+        elif replica.state != ReplicaState.DEAD:
+            replica.state = ReplicaState.STOPPED
 
     def _on_death(self, replica: _Replica, how: str) -> None:
-        if replica.state in ("dead", "finished", "stopped"):
+        if replica.state in (ReplicaState.DEAD, ReplicaState.FINISHED, ReplicaState.STOPPED):
             return
-        was_member = replica.state == "member"
-        replica.state = "dead"
+        was_member = replica.state == ReplicaState.MEMBER
+        replica.state = ReplicaState.DEAD
         self._last_death = how
         self.deaths += 1
         self.events.emit("death", replica=replica.rid, pids=replica.pids, detected_by=how,
@@ -332,7 +343,7 @@ class ElasticController:
         if self._closing.is_set():
             return
         if was_member:
-            survivors = [m for m in self.members if self.replicas[m].state == "member"]
+            survivors = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
             if len(survivors) < self.config.min_replicas:
                 self._give_up(
                     f"{len(survivors)} live replica(s) left, below min_replicas={self.config.min_replicas}: "
@@ -350,7 +361,7 @@ class ElasticController:
         self._schedule_respawn()
 
     def _schedule_respawn(self) -> None:
-        alive = [r for r in self.replicas.values() if r.state in ("spawning", "waiting", "member")]
+        alive = [r for r in self.replicas.values() if r.state.live]
         if len(alive) + len(self._respawn_at) >= self.config.replicas + self.config.spares:
             return
         if self.restarts + len(self._respawn_at) >= self.config.max_restarts:
@@ -370,12 +381,12 @@ class ElasticController:
             self._spawn(initial=False)
 
     def _ready_waiting(self, limit: int) -> list[int]:
-        return [r.rid for r in self.replicas.values() if r.state == "waiting"][: max(limit, 0)]
+        return [r.rid for r in self.replicas.values() if r.state == ReplicaState.WAITING][: max(limit, 0)]
 
     def _admit_ready(self) -> None:
         if not self.members or self.finished_gen is not None:
             return
-        current = [m for m in self.members if self.replicas[m].state == "member"]
+        current = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         if len(current) != len(self.members):
             return  # the generation is finishing or changing; admit at the next one
         # Up to the target size; ready replicas beyond it wait as hot spares for the next death.
@@ -385,7 +396,7 @@ class ElasticController:
 
     def _formed(self, g: int) -> bool:
         """Every proc of generation g's members formed its group (workers count `formed/<g>`)."""
-        return self.store.add(f"formed/{g}", 0) >= len(self.plans[g]) * self.config.procs_per_replica
+        return self.store.add(Key.formed(g), 0) >= len(self.plans[g]) * self.config.procs_per_replica
 
     def _statuses(self, replica: _Replica) -> list[dict] | None:
         """What each proc of the replica is doing, from its control actor; None if it does not answer."""
@@ -400,7 +411,7 @@ class ElasticController:
         self._on_death(replica, how)
 
     def _check_stalled(self) -> None:
-        key = f"stalled/{self.gen}"
+        key = Key.stalled(self.gen)
         if self.gen < 0 or not self.store.check([key]):
             return
         # A peer's death is what usually breaks a collective, and it reaches us by pidfd or supervision
@@ -411,19 +422,19 @@ class ElasticController:
         suspects = []
         for m in self.members:
             replica = self.replicas[m]
-            if replica.state != "member":
+            if replica.state != ReplicaState.MEMBER:
                 continue
             statuses = self._statuses(replica)
-            if statuses is None or any(s["phase"] not in ("reduce", "finish", "join") and s["now"] - s["since"] >
+            if statuses is None or any(s["phase"] not in WAITING_ON_PEERS and s["now"] - s["since"] >
                                        self.config.collective_timeout_s for s in statuses):
                 suspects.append(replica)
         how = "hang"
-        if not suspects and self.store.check([f"{key}/heal"]):
+        if not suspects and self.store.check([Key.stalled_heal(self.gen)]):
             # A heal past its bound with every member responsive: its recipients are the ones that cannot
             # be brought up to date; they go (and are replaced), the trained members keep training.
             how = "hang (heal stalled)"
-            recipients = json.loads(self.store.get(f"{key}/heal"))
-            suspects = [self.replicas[r] for r in recipients if self.replicas[r].state == "member"]
+            recipients = json.loads(self.store.get(Key.stalled_heal(self.gen)))
+            suspects = [self.replicas[r] for r in recipients if self.replicas[r].state == ReplicaState.MEMBER]
         if not suspects:
             self._announce(list(self.members), reason="stalled reduction, all members responsive",
                            interrupt=True)
@@ -446,31 +457,30 @@ class ElasticController:
             return
         for m in list(self.members):
             replica = self.replicas[m]
-            statuses = self._statuses(replica) if replica.state == "member" else None
-            if statuses and any(s["phase"] == "join" and s["forming"] < g for s in statuses):
+            statuses = self._statuses(replica) if replica.state == ReplicaState.MEMBER else None
+            if statuses and any(s["phase"] == Phase.JOIN and s["forming"] < g for s in statuses):
                 self._treat_as_hung(replica, f"hang (wedged forming generation {min(s['forming'] for s in statuses)})")
                 return  # the death published a new generation; it is checked in its own turn
 
     # -- generations ---------------------------------------------------------------------------------------
 
-    def _announce(self, members: list[int], reason: str, interrupt: bool, action: str = "train") -> None:
+    def _announce(self, members: list[int], reason: str, interrupt: bool, action: Action = Action.TRAIN) -> None:
         """Publish generation gen+1. `interrupt` aborts the steps in flight (a death); otherwise members
         move at the next step boundary they all agree on (a grow)."""
         self.gen += 1
         g = self.gen
-        previous = [m for m in self.members if self.replicas[m].state == "member"]
+        previous = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         self.members = list(members)
         self.plans[g] = self.members
-        plan = {"gen": g, "members": self.members, "action": action, "reason": reason}
-        self.store.set(f"plan/{g}", json.dumps(plan))
-        self.store.set("latest", str(g))
+        self.store.set(Key.plan(g), Plan(gen=g, members=self.members, action=action, reason=reason).dumps())
+        self.store.set(Key.LATEST, str(g))
         self._announced_at = time.monotonic()
         for m in self.members:
             replica = self.replicas[m]
-            if replica.state == "waiting" and not replica.initial:
+            if replica.state == ReplicaState.WAITING and not replica.initial:
                 replica.admitted = True
                 self.early_deaths = 0
-            replica.state = "member"
+            replica.state = ReplicaState.MEMBER
         for m in previous:
             control = self.replicas[m].control
             try:
@@ -478,26 +488,26 @@ class ElasticController:
             except Exception:  # noqa: BLE001 - a member that cannot be told is about to be found dead
                 pass
         self.events.emit("quorum", gen=g, members=self.members, reason=reason, interrupt=interrupt,
-                         action=action)
+                         action=action.value)
 
     def _give_up(self, reason: str) -> None:
         """Stop the run on purpose: the live members write one durable checkpoint, then everything stops."""
-        live = [m for m in self.members if self.replicas[m].state == "member"]
+        live = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         checkpoint = None
         if live:
-            self._announce(live, reason=f"giving up: {reason}", interrupt=True, action="checkpoint")
+            self._announce(live, reason=f"giving up: {reason}", interrupt=True, action=Action.CHECKPOINT)
             deadline = time.monotonic() + self.config.join_timeout_s
-            while time.monotonic() < deadline and any(self.replicas[m].state == "member" for m in live):
+            while time.monotonic() < deadline and any(self.replicas[m].state == ReplicaState.MEMBER for m in live):
                 try:
                     kind, rid, payload = self._q.get(timeout=0.05)
                 except queue.Empty:
                     continue
                 if kind == "returned":
-                    self.replicas[rid].state = "stopped"
+                    self.replicas[rid].state = ReplicaState.STOPPED
+                    # The first proc that wrote one (a replica writes one per proc when each holds its own state).
+                    checkpoint = checkpoint or next((o.checkpoint for o in payload if o.checkpoint), None)
                 elif kind == "died":
-                    self.replicas[rid].state = "dead"
-            saved = [e for e in read_events(self.config.events_path) if e["event"] == "checkpoint"]
-            checkpoint = saved[-1]["path"] if saved else None
+                    self.replicas[rid].state = ReplicaState.DEAD
         self.events.emit("give_up", reason=reason, checkpoint=checkpoint)
         self._stop_everything()
         where = f"checkpoint written to {checkpoint}" if checkpoint else "no live replica was left to checkpoint"
@@ -507,9 +517,9 @@ class ElasticController:
 
     def _on_mesh_failure(self, failure) -> None:
         """Replaces Monarch's default hook, which would exit the controller on any worker death."""
-        match = re.match(r"r(\d+)_(control|replica)", str(getattr(failure, "mesh_name", "")))
-        if match:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
-            self._q.put(("died", int(match.group(1)), "supervision"))
+        rid = replica_of_mesh(str(getattr(failure, "mesh_name", "")))
+        if rid is not None:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
+            self._q.put(("died", rid, "supervision"))
 
     def _watch_pid(self, replica: _Replica, pid: int) -> None:
         try:
@@ -545,7 +555,7 @@ class ElasticController:
     def _stop_everything(self) -> None:
         self._closing.set()
         for replica in self.replicas.values():
-            if replica.state in ("spawning", "waiting", "member") and replica.control is not None:
+            if replica.state.live and replica.control is not None:
                 try:
                     replica.control.shutdown.broadcast()
                 except Exception:  # noqa: BLE001 - it is being torn down either way

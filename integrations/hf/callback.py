@@ -31,10 +31,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import random
 from typing import Any
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
@@ -46,9 +44,7 @@ from monarch_plugin.integrations.hf import _trainer_hooks
 from monarch_plugin.integrations.hf._stream import ElasticStream
 from monarch_plugin.sampler import ElasticSampler, shard_bounds
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.collectives import CollectiveInterrupted
-from monarch_plugin.worker.reducer import GradientReducer
-from monarch_plugin.worker.session import ReplicaSession, StopReplica
+from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
 __all__ = ["MonarchElasticCallback"]
 
@@ -81,8 +77,7 @@ class MonarchElasticCallback(TrainerCallback):
         _trainer_hooks.attach_on_add_callback(MonarchElasticCallback, MonarchElasticCallback._attach)
         self._ctx: _context.WorkerContext | None = None
         self._trainer = None
-        self._session: ReplicaSession | None = None
-        self._reducer: GradientReducer | None = None
+        self._tx: StepTransaction | None = None
         self._sampler: ElasticSampler | None = None
         self._stream: ElasticStream | None = None
         """Instead of the sampler, for a streaming (iterable) train_dataset."""
@@ -104,7 +99,6 @@ class MonarchElasticCallback(TrainerCallback):
         self._in_step = False
         self._committed_world = 0
         self._logged_world = 0
-        self._announced_gen = -1
         self._position: tuple[int, int] | None = None
 
     # -- what the run is at ---------------------------------------------------------------------------------
@@ -117,7 +111,7 @@ class MonarchElasticCallback(TrainerCallback):
     @property
     def num_replicas(self) -> int:
         """Live replicas in the current generation (1 when inactive)."""
-        return self._session.world if self._session is not None and self._session.gen >= 0 else 1
+        return self._tx.world if self._tx is not None and self._tx.gen >= 0 else 1
 
     @property
     def is_main_replica(self) -> bool:
@@ -127,8 +121,8 @@ class MonarchElasticCallback(TrainerCallback):
         Always True when inactive."""
         if self._ctx is None:
             return True
-        if self._session is not None and self._session.gen >= 0:
-            return self._session.rank == 0
+        if self._tx is not None and self._tx.gen >= 0:
+            return self._tx.rank == 0
         return self._ctx.initial and self._ctx.replica_id == 0
 
     # -- set-up, in Trainer.__init__ or Trainer.add_callback ---------------------------------------------------
@@ -232,7 +226,7 @@ class MonarchElasticCallback(TrainerCallback):
 
     def _join_first(self, state) -> None:
         """`on_train_begin`, ahead of every other callback: first generation, or heal as a replacement."""
-        if self._session is not None:
+        if self._tx is not None:
             raise RuntimeError("MonarchElasticCallback trains one Trainer.train() per replica")
         if self._data is None:
             raise RuntimeError("the training DataLoader was not built by Trainer.get_train_dataloader: "
@@ -249,9 +243,8 @@ class MonarchElasticCallback(TrainerCallback):
                 self._stream.load_state_dict(self._stream_checkpoint())
         else:
             self._sampler.load_state_dict(self._cursor_at(self._step))
-        self._session = ReplicaSession(self._ctx, _HealState(self))
-        self._reducer = GradientReducer(list(trainer.model.parameters()), self._session.device,
-                                        buffers_of=[trainer.model])
+        self._tx = StepTransaction(self._ctx, _HealState(self), list(trainer.model.parameters()),
+                                   buffers_of=[trainer.model], give_up=self._give_up)
         resumed_at = self._step
         self._sync_generation(promote=False)
         # A replacement healed from a peer mid-run; or a stream resumed, whose position HF cannot work out from
@@ -297,10 +290,11 @@ class MonarchElasticCallback(TrainerCallback):
 
     def _sync_generation(self, promote: bool = True) -> None:
         """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
-        session = self._session
-        if not session.needs_join():
-            return
-        session.join(self._step)
+        if self._tx.sync(self._step):
+            self._take_main_role(promote)
+
+    def _take_main_role(self, promote: bool) -> None:
+        """HF's process-zero flags follow the generation's rank 0, which moves when the main replica dies."""
         trainer = self._trainer
         state = trainer.state
         promoted = self.is_main_replica and not state.is_world_process_zero
@@ -310,22 +304,22 @@ class MonarchElasticCallback(TrainerCallback):
             for callback in trainer.callback_handler.callbacks:
                 if isinstance(callback, ProgressCallback) and callback.training_bar is None:
                     callback.on_train_begin(trainer.args, state, trainer.control)
-        if session.action == "checkpoint":
-            if self.is_main_replica:
-                path = _trainer_hooks.save_checkpoint(trainer)
-                self._save_stream_position(path)
-                self._ctx.events.emit("checkpoint", replica=self._ctx.replica_id, step=self._step, path=path)
-            raise StopReplica("the controller gave up; checkpoint written")
+
+    def _give_up(self, committed: int) -> str | None:
+        """The controller gave up: the main replica writes HF's checkpoint of the last committed step."""
+        self._take_main_role(promote=False)
+        if not self.is_main_replica:
+            return None
+        path = _trainer_hooks.save_checkpoint(self._trainer)
+        self._save_stream_position(path)
+        return path
 
     # -- the step transaction -------------------------------------------------------------------------------------
 
     def on_step_begin(self, args, state, control, **kwargs):
         if not self.active:
             return
-        ctx = self._ctx
-        ctx.fault_point("step", self._step)
-        self._session.flags.set_phase("compute", self._step)
-        self._reducer.begin_attempt(self._step)
+        self._tx.begin(self._step)
         if self._stream is not None:
             self._micro_batches = self._accumulate  # a stream's passes are cut into whole steps
         else:
@@ -333,17 +327,16 @@ class MonarchElasticCallback(TrainerCallback):
             self._micro_batches = min(self._accumulate, remaining)
         self._substeps = 0
         # DataLoader workers cut shares ahead of time; a share cut for an older generation is recomputed at commit.
-        session = self._session
-        self._armed = all(self._issued.get(self._key(j)) == (session.gen, self._share(j))
+        self._armed = all(self._issued.get(self._key(j)) == (self._tx.gen, self._share(j))
                           for j in range(self._micro_batches))
         if self._armed:
             self._arm()
 
     def _arm(self) -> None:
         self._weight = self._window_weight()
-        self._session.begin_step(self._reducer, self._weight)
+        self._tx.arm(self._weight)
         if self._micro_batches > 1:
-            self._no_sync = self._reducer.no_sync()
+            self._no_sync = self._tx.reducer.no_sync()
             self._no_sync.__enter__()
 
     def _leave_no_sync(self) -> None:
@@ -370,7 +363,7 @@ class MonarchElasticCallback(TrainerCallback):
 
     def _commit(self, args) -> None:
         """Reduce, or drop and redo the step on the new generation, until it commits (or a heal hands it over)."""
-        trainer, session = self._trainer, self._session
+        trainer, tx = self._trainer, self._tx
         start, redo, redone = self._step, not self._armed, False
         while True:
             if redo:
@@ -380,18 +373,13 @@ class MonarchElasticCallback(TrainerCallback):
                     # no gradients, HF's optimizer.step() that follows is a no-op; its scheduler step and
                     # global_step increment bring this replica's own loop to where the donor's already is.
                     trainer.model.zero_grad(set_to_none=True)
-                    self._committed_world = session.world
+                    self._committed_world = tx.world
                     return
                 self._redo_window()
                 redone = True
-            try:
-                session.reduce(self._reducer, self._weight, [])
+            if tx.reduce(self._step, [], lambda: trainer.model.zero_grad(set_to_none=True)) is not None:
                 break
-            except CollectiveInterrupted as e:
-                trainer.model.zero_grad(set_to_none=True)
-                self._ctx.events.emit("dropped_step", replica=self._ctx.replica_id, step=self._step,
-                                      gen=session.gen, reason=type(e).__name__)
-                redo = True
+            redo = True
         if redone and args.max_grad_norm is not None and args.max_grad_norm > 0:
             trainer.accelerator.clip_grad_norm_(trainer.model_wrapped.parameters(), args.max_grad_norm)
         if self._stream is not None:
@@ -402,17 +390,14 @@ class MonarchElasticCallback(TrainerCallback):
         done = (self._data.epoch, self._data.cursor)
         self._issued = {k: v for k, v in self._issued.items() if k >= done}
         self._step += 1
-        self._committed_world = session.world
-        if self._announced_gen != session.gen:
-            self._announced_gen = session.gen
-            self._ctx.events.emit("first_commit", replica=self._ctx.replica_id, gen=session.gen, step=start,
-                                  world=session.world)
+        self._committed_world = tx.world
+        tx.committed(start)
 
     def _redo_window(self) -> None:
         """Recompute the step's micro-batches on this generation's shares; the last backward reduces."""
         trainer = self._trainer
         trainer.model.zero_grad(set_to_none=True)
-        self._reducer.begin_attempt(self._step)
+        self._tx.begin(self._step)
         batches = [self._collate(self._samples(self._share(j))) for j in range(self._micro_batches)]
         batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
         self._arm()
@@ -438,7 +423,7 @@ class MonarchElasticCallback(TrainerCallback):
 
     def _share(self, j: int) -> list[int]:
         batch = self._micro_batch(j)
-        start, end = shard_bounds(len(batch), self._session.rank, self._session.world)
+        start, end = shard_bounds(len(batch), self._tx.rank, self._tx.world)
         return batch[start:end]
 
     def _window_weight(self) -> float:
@@ -473,13 +458,9 @@ class MonarchElasticCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         """Leave together once every live replica has committed the last step (a death here is healed first)."""
-        if not self.active or self._session is None:
+        if not self.active or self._tx is None:
             return
-        while True:
-            self._sync_generation()
-            if self._session.finish():
-                break
-        self._session.close()
+        self._tx.finish(lambda: self._step)
 
 
 class _JoinFirst(TrainerCallback):
@@ -511,9 +492,9 @@ class _ElasticBatchSampler:
         epoch, order = sampler.epoch, sampler._epoch_order()
         for k in range(len(self)):
             batch = order[k * size : (k + 1) * size].tolist()
-            session = owner._session
-            start, end = shard_bounds(len(batch), session.rank, session.world)
-            owner._issued[(epoch, k * size)] = (session.gen, batch[start:end])
+            tx = owner._tx
+            start, end = shard_bounds(len(batch), tx.rank, tx.world)
+            owner._issued[(epoch, k * size)] = (tx.gen, batch[start:end])
             yield batch[start:end]
 
 
@@ -544,7 +525,7 @@ class _StreamShares(IterableDataset):
                 raise RuntimeError("the Trainer asked for a micro-batch beyond gradient_accumulation_steps before "
                                    "the step committed")
             share = owner._share(j)
-            owner._issued[owner._key(j)] = (owner._session.gen, share)
+            owner._issued[owner._key(j)] = (owner._tx.gen, share)
             j += 1
             yield stream.samples(share)
 
@@ -577,9 +558,6 @@ class _HealState:
         owner = self.owner
         trainer = owner._trainer
         data = owner._data.state_dict()  # a stream reads ahead here: the RNG as of after that read
-        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
         return {
             "step": owner._step,
             "model": trainer.model.state_dict(),
@@ -590,7 +568,7 @@ class _HealState:
                               if f.name not in _OWN_STATE_FIELDS},
             "callbacks": [(type(c).__name__, c.state()) for c in trainer.callback_handler.callbacks
                           if isinstance(c, ExportableState)],
-            "rng": rng,
+            "rng": rng_state(owner._tx.device),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -615,12 +593,7 @@ class _HealState:
             if type(callback).__name__ == name:
                 for attribute, value in saved.get("attributes", {}).items():
                     setattr(callback, attribute, value)
-        rng = state["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
+        set_rng_state(state["rng"], owner._tx.device)
 
 
 def _check_arguments(trainer, ctx) -> None:

@@ -25,7 +25,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.integrations.lightning.strategy import MonarchStrategy
-from monarch_plugin.worker.reducer import GradientReducer
 
 __all__ = ["MonarchFSDPStrategy"]
 
@@ -77,7 +76,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
     # -- inside a replica -----------------------------------------------------------------------------------
 
     def setup(self, trainer) -> None:
-        if trainer.state.fn == TrainerFn.FITTING and self._session is not None:
+        if trainer.state.fn == TrainerFn.FITTING and self._ctx is not None:
             self._shard(self.lightning_module)  # before the optimizers exist: they must hold the shards
         super().setup(trainer)
 
@@ -85,7 +84,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        self.device_mesh = init_device_mesh(self.root_device.type, (self._session.ctx.procs_per_replica,))
+        self.device_mesh = init_device_mesh(self.root_device.type, (self._ctx.procs_per_replica,))
         if isinstance(module, FSDPModule):
             return  # sharded by the user (in configure_model)
         for sub in list(module.modules())[1:]:
@@ -93,16 +92,14 @@ class MonarchFSDPStrategy(MonarchStrategy):
                 fully_shard(sub, mesh=self.device_mesh, reshard_after_forward=self.reshard_after_forward)
         fully_shard(module, mesh=self.device_mesh, reshard_after_forward=self.reshard_after_forward)
 
-    def _make_reducer(self, module: torch.nn.Module) -> GradientReducer:
-        return GradientReducer(list(module.parameters()), self._session.device, overlap=False,
-                               buffers_of=[module])
+    _overlap = False  # FSDP assigns its sharded gradients after its own reduce-scatter: reduced in `backward`
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """FSDP has reduce-scattered within the replica when backward returns; reduce across replicas now, so
         clipping and `on_before_optimizer_step` see the global gradient, as under DDP."""
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
-        if self._reducer is not None:
-            self._reducer.backward_done()
+        if self._tx is not None:
+            self._tx.reducer.backward_done()
         return out
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

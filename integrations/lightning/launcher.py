@@ -146,7 +146,7 @@ class _StageInReplica:
                 return None
             return {"rank": strategy._elastic_rank(), "trainer_state": trainer.state,
                     "callback_metrics": buffer.getvalue(), "results": move_data_to_device(results, "cpu")}
-        rank = strategy._session.rank
+        rank = strategy._tx.rank
         weights = move_data_to_device(strategy.full_state_dict(), "cpu")  # on every proc: FSDP gathers
         if strategy.global_rank != 0:
             return None  # the replica's first proc speaks for it

@@ -4,7 +4,7 @@ One class lives on both sides. In the user's process (the controller) it validat
 Trainer is built and hands `fit` to `_MonarchLauncher`, which runs it in every replica. Inside a replica it is a
 data-parallel strategy whose torch.distributed default group holds only that replica's own procs, so Lightning's
 own collectives (`self.log(sync_dist=True)`, barriers, the SIGTERM broadcast) never cross replicas. Everything
-that crosses replicas goes through the runtime's `ReplicaSession`:
+that crosses replicas goes through the runtime's step transaction (`StepTransaction`):
 
 * A global step is a window of `accumulate_grad_batches` micro-batches, each one global batch cut over the live
   replicas. The window's earlier micro-batches run under the reducer's `no_sync()` as Lightning drives them;
@@ -34,7 +34,6 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer import call
@@ -48,9 +47,7 @@ from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.sampler import ElasticSampler, shard_bounds
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.collectives import CollectiveInterrupted
-from monarch_plugin.worker.reducer import GradientReducer
-from monarch_plugin.worker.session import ReplicaSession, StopReplica
+from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
 __all__ = ["MonarchStrategy"]
 
@@ -102,8 +99,10 @@ class MonarchStrategy(ParallelStrategy):
         self.num_nodes = 1
         self.replica_checksums: dict[int, str] = {}
         """After `fit`, in the controller: each finishing replica's weight checksum (all equal by construction)."""
-        self._session: Optional[ReplicaSession] = None
-        self._reducer: Optional[GradientReducer] = None
+        self._ctx: Optional[_context.WorkerContext] = None
+        """Set inside a replica (any stage); None in the controller."""
+        self._tx: Optional[StepTransaction] = None
+        """Inside a replica that fits: its part in the run's steps."""
         self._sampler: Optional[ElasticSampler] = None
         self._pending_sampler_state: Optional[dict] = None
         self._pending_logger_step: Optional[int] = None
@@ -118,7 +117,6 @@ class MonarchStrategy(ParallelStrategy):
         self._validation_buffers: Optional[contextlib.AbstractContextManager] = None
         """Held while a validation runs inside a window: the last commit's buffers swapped in."""
         self._fit_loop_started = False
-        self._announced_gen = -1
 
     # -- controller side ---------------------------------------------------------------------------------
 
@@ -179,8 +177,8 @@ class MonarchStrategy(ParallelStrategy):
         """Lightning's world is one replica's procs: the controller and a one-proc replica are rank 0 of 1."""
         if self.cluster_environment is None:
             return
-        self.cluster_environment.set_global_rank(int(os.environ.get("RANK", 0)) if self._session else 0)
-        self.cluster_environment.set_world_size(int(os.environ.get("WORLD_SIZE", 1)) if self._session else 1)
+        self.cluster_environment.set_global_rank(int(os.environ.get("RANK", 0)) if self._ctx else 0)
+        self.cluster_environment.set_world_size(int(os.environ.get("WORLD_SIZE", 1)) if self._ctx else 1)
         self._update_rank_zero()
 
     # -- the replica's own (intra-replica) world -------------------------------------------------------------
@@ -203,11 +201,11 @@ class MonarchStrategy(ParallelStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     def _elastic_rank(self) -> int:
-        if self._session is None:
+        if self._ctx is None:
             return 0
-        if self._session.gen >= 0:
-            return self._session.rank
-        ctx = self._session.ctx
+        if self._tx is not None and self._tx.gen >= 0:
+            return self._tx.rank
+        ctx = self._ctx
         return 0 if (ctx.initial and ctx.replica_id == 0) else 1 + ctx.replica_id
 
     def _update_rank_zero(self) -> None:
@@ -220,7 +218,7 @@ class MonarchStrategy(ParallelStrategy):
                 "MonarchStrategy trains inside Monarch replicas started by Trainer.fit in the controller; "
                 "call trainer.fit(...) from your script instead of invoking the strategy directly"
             )
-        self._session = ReplicaSession(ctx, _HealState(self))
+        self._ctx = ctx
         self.cluster_environment = LightningEnvironment()  # this replica's MASTER_PORT, not the controller's
         k = ctx.procs_per_replica
         on_gpu = self.root_device.type == "cuda"
@@ -233,7 +231,7 @@ class MonarchStrategy(ParallelStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING or self._session is None:
+        if trainer.state.fn != TrainerFn.FITTING or self._ctx is None:
             return
         module = self.lightning_module
         if len(self.optimizers) != 1:
@@ -241,11 +239,12 @@ class MonarchStrategy(ParallelStrategy):
                 f"MonarchStrategy supports exactly one optimizer, configure_optimizers returned "
                 f"{len(self.optimizers)}: put all parameter groups into one optimizer"
             )
-        self._reducer = self._make_reducer(module)
+        self._tx = StepTransaction(self._ctx, _HealState(self), list(module.parameters()), buffers_of=[module],
+                                   overlap=self._overlap, give_up=self._write_give_up_checkpoint)
         self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
 
-    def _make_reducer(self, module: torch.nn.Module) -> GradientReducer:
-        return GradientReducer(list(module.parameters()), self._session.device, buffers_of=[module])
+    _overlap = True
+    """Reduce buckets while backward runs (DDP's overlap); FSDP assigns its gradients after backward instead."""
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -271,7 +270,7 @@ class MonarchStrategy(ParallelStrategy):
     # -- data -----------------------------------------------------------------------------------------------
 
     def process_dataloader(self, dataloader: object) -> object:
-        if self._session is None or not self.lightning_module.trainer.training:
+        if self._tx is None or not self.lightning_module.trainer.training:
             return dataloader
         if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
             raise MisconfigurationException(
@@ -283,7 +282,7 @@ class MonarchStrategy(ParallelStrategy):
                 "MonarchStrategy builds the batches itself from one global cursor: give the training DataLoader "
                 "a batch_size (per replica, as with DDP) instead of a batch_sampler"
             )
-        config = self._session.ctx.config
+        config = self._ctx.config
         k = config.procs_per_replica
         self._global_batch = dataloader.batch_size * config.replicas * k
         n = len(dataloader.dataset)
@@ -331,13 +330,13 @@ class MonarchStrategy(ParallelStrategy):
         return [batch for _, batch in _micro_batches(self._sampler, self._global_batch, size)]
 
     def _replica_share(self, batch: list[int]) -> list[int]:
-        start, end = shard_bounds(len(batch), self._session.rank, self._session.world)
+        start, end = shard_bounds(len(batch), self._tx.rank, self._tx.world)
         return batch[start:end]
 
     def _cut(self, batch: list[int]) -> list[int]:
         """This proc's samples of a global micro-batch: its replica's share, split over the replica's procs."""
         share = self._replica_share(batch)
-        start, end = shard_bounds(len(share), self._session.ctx.local_rank, self._session.ctx.procs_per_replica)
+        start, end = shard_bounds(len(share), self._ctx.local_rank, self._ctx.procs_per_replica)
         return share[start:end]
 
     def _share(self, micro: int) -> list[int]:
@@ -359,8 +358,8 @@ class MonarchStrategy(ParallelStrategy):
         """A validation inside an accumulation window (`val_check_interval`) runs on the buffers of the last
         commit, as every replica holds them, not on this replica's own micro-batches' statistics since."""
         super().on_validation_start()
-        if self._reducer is not None and self._window_gen is not None:
-            self._validation_buffers = self._reducer.first_attempt_buffers()
+        if self._tx is not None and self._window_gen is not None:
+            self._validation_buffers = self._tx.reducer.first_attempt_buffers()
             self._validation_buffers.__enter__()
 
     def on_validation_end(self) -> None:
@@ -372,48 +371,45 @@ class MonarchStrategy(ParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With several procs to a replica, each proc's loss is the mean over its own samples and the replica
         averages its procs' gradients; weight each loss by its share so uneven splits still average right."""
-        if self._session is not None and self._sampler is not None and self._session.ctx.procs_per_replica > 1:
+        if self._tx is not None and self._sampler is not None and self._ctx.procs_per_replica > 1:
             micro = self._micro - 1  # training_step has moved on to the next micro-batch
             replica_share = self._replica_share(self._window()[micro])
             closure_loss = closure_loss * (
-                self._session.ctx.procs_per_replica * len(self._share(micro)) / len(replica_share)
+                self._ctx.procs_per_replica * len(self._share(micro)) / len(replica_share)
             )
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def block_backward_sync(self):
         """Lightning's accumulation micro-batches: their backward accumulates locally, as under DDP's no_sync."""
-        return self._reducer.no_sync() if self._reducer is not None else contextlib.nullcontext()
+        return self._tx.reducer.no_sync() if self._tx is not None else contextlib.nullcontext()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return super().training_step(*self._elastic_batch(args), **kwargs)
 
     def _elastic_batch(self, args: tuple) -> tuple:
         """The step's arguments with this proc's share of the live group's micro-batch swapped in."""
-        if self._session is not None and self._sampler is not None and args:
+        if self._tx is not None and self._sampler is not None and args:
             if self._window_gen is None:
                 self._start_window()
             args = (self._batches.batch_for(args[0], self._micro), *args[1:])
             self._micro += 1
-            self.lightning_module.log("elastic/replicas", float(self._session.world), prog_bar=True,
+            self.lightning_module.log("elastic/replicas", float(self._tx.world), prog_bar=True,
                                       on_step=True, on_epoch=False, batch_size=1)
         return args
 
     def _start_window(self) -> None:
         """A step boundary: enter a waiting generation (so a newcomer heals here) before any micro-batch runs."""
-        ctx = self._session.ctx
         self._sync_generation()
         if self._pending_logger_step is not None:
             # A healed newcomer: Lightning adds one to the logging step when it restores loop progress saved
             # after a batch, but a heal is taken before one.
             self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self._pending_logger_step
             self._pending_logger_step = None
-        ctx.fault_point("step", self._step)
-        self._session.flags.set_phase("compute", self._step)
-        self._reducer.begin_attempt(self._step)
-        self._window_gen = self._session.gen
+        self._tx.begin(self._step)
+        self._window_gen = self._tx.gen
 
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        if self._session is None:
+        if self._tx is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._window_gen is None:
             self._start_window()  # a one-micro-batch window: the closure below is its only micro-batch
@@ -426,26 +422,21 @@ class MonarchStrategy(ParallelStrategy):
                 optimizer.zero_grad(set_to_none=True)
                 self._micro, self._window_gen = 0, None
                 return loss
-            if self._window_gen != self._session.gen:
+            if self._window_gen != self._tx.gen:
                 self._redo_window(optimizer, closure, last)
-            weight = self._weight()
-            self._session.begin_step(self._reducer, weight)  # backward starts reducing as gradients arrive
+            self._tx.arm(self._weight())  # backward starts reducing as gradients arrive
             loss = closure()
             self._micro = last  # Lightning completes that micro-batch only after the step: it stays in flight
-            if self._reduce(optimizer, weight):
+            if self._tx.reduce(self._step, [], lambda: optimizer.zero_grad(set_to_none=True)) is not None:
                 break
             self._window_gen = -1  # its gradients are gone: redo the whole window
         micro_batches = len(self._window())
         output = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
         for _ in range(micro_batches):
             self._sampler.advance(self._global_batch)
+        self._tx.committed(self._step)
         self._step += 1
         self._micro, self._window_gen = 0, None
-        if self._announced_gen != self._session.gen:
-            self._announced_gen = self._session.gen
-            ctx = self._session.ctx
-            ctx.events.emit("first_commit", replica=ctx.replica_id, gen=self._session.gen, step=self._step - 1,
-                            world=self._session.world)
         return output
 
     def _redo_window(self, optimizer, closure: Callable[[], Any], last: int) -> None:
@@ -455,46 +446,28 @@ class MonarchStrategy(ParallelStrategy):
         of micro-batch `self._micro`, and that closure never zeroes gradients (only a window's first does).
         """
         optimizer.zero_grad(set_to_none=True)
-        self._reducer.begin_attempt(self._step)
-        self._window_gen = self._session.gen
-        with self._reducer.no_sync():
+        self._tx.begin(self._step)
+        self._window_gen = self._tx.gen
+        with self._tx.reducer.no_sync():
             for micro in range(last):
                 self._micro = micro
                 closure()
 
-    def _reduce(self, optimizer, weight: float) -> bool:
-        """Sum this replica's gradient, weighted by its share of the global batch; False if the step was dropped."""
-        try:
-            self._session.reduce(self._reducer, weight, [])
-        except CollectiveInterrupted as e:
-            optimizer.zero_grad(set_to_none=True)
-            ctx = self._session.ctx
-            ctx.events.emit("dropped_step", replica=ctx.replica_id, step=self._step, gen=self._session.gen,
-                            reason=type(e).__name__)
-            return False
-        return True
-
     def _sync_generation(self) -> None:
         """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
-        session = self._session
-        if not session.needs_join():
-            return
-        session.join(self._step)
-        self._update_rank_zero()
-        if session.action == "checkpoint":
-            self._write_give_up_checkpoint()
-            raise StopReplica("the controller gave up; checkpoint written")
+        if self._tx.sync(self._step):
+            self._update_rank_zero()
 
-    def _write_give_up_checkpoint(self) -> None:
+    def _write_give_up_checkpoint(self, committed: int) -> Optional[str]:
+        self._update_rank_zero()
         if self._elastic_rank() != 0:
-            return  # every proc of the writing replica takes part (FSDP gathers); its first one writes
-        ctx = self._session.ctx
-        os.makedirs(ctx.config.checkpoint_dir, exist_ok=True)
-        path = os.path.abspath(os.path.join(ctx.config.checkpoint_dir, f"step{self._step:08d}.ckpt"))
+            return None  # every proc of the writing replica takes part (FSDP gathers); its first one writes
+        config = self._ctx.config
+        os.makedirs(config.checkpoint_dir, exist_ok=True)
+        path = os.path.abspath(os.path.join(config.checkpoint_dir, f"step{committed:08d}.ckpt"))
         with self._progress_at_window_start():
             self.lightning_module.trainer.save_checkpoint(path)
-        if self.is_global_zero:
-            ctx.events.emit("checkpoint", replica=ctx.replica_id, step=self._step, path=path)
+        return path if self.is_global_zero else None
 
     @contextlib.contextmanager
     def _progress_at_window_start(self):
@@ -521,11 +494,8 @@ class MonarchStrategy(ParallelStrategy):
     def finish(self) -> None:
         """After `fit`: leave together once every live replica has trained its last step (a death here is healed
         first). After the other stages, which never joined a generation: just leave."""
-        while self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._sync_generation()
-            if self._session.finish():
-                break
-        self._session.close()
+        if self._tx is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._tx.finish(lambda: self._step)
 
     def _fit_loop_state(self) -> dict:
         with self._progress_at_window_start():
@@ -567,7 +537,7 @@ class _HealState:
             "fit_loop": s._fit_loop_state() if s._fit_loop_started else None,
             "logger_step": trainer.fit_loop.epoch_loop._batches_that_stepped,
             "callbacks": call._call_callbacks_state_dict(trainer),
-            "rng": _collect_rng_states(include_cuda=False),
+            "rng": rng_state(s._tx.device),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -588,7 +558,7 @@ class _HealState:
                 trainer.fit_loop.load_state_dict(state["fit_loop"])
                 s._pending_logger_step = state["logger_step"]
             call._call_callbacks_load_state_dict(trainer, state)
-            _set_rng_states(state["rng"])
+            set_rng_state(state["rng"], s._tx.device)
         if state["sampler"] is not None:
             if s._sampler is not None:
                 s._sampler.load_state_dict(state["sampler"])

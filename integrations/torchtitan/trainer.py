@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +45,7 @@ from monarch_plugin.integrations.torchtitan.config import (
 )
 from monarch_plugin.integrations.torchtitan.data import ElasticDataLoader
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.collectives import CollectiveInterrupted
-from monarch_plugin.worker.reducer import GradientReducer
-from monarch_plugin.worker.session import ReplicaSession, StopReplica
+from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
 try:
     from torch.distributed.tensor import DTensor
@@ -99,10 +96,9 @@ class MonarchTrainer(Trainer):
                 "this torchtitan job runs inside a monarch-plugin replica but --monarch.enable is off: launch it "
                 "with `python -m torchtitan.train ... --monarch.enable` (the controller is that process)"
             )
-        self._session: ReplicaSession | None = None
+        self._tx: StepTransaction | None = None
         self._committed = 0
         self._in_step = False
-        self._announced_gen = -1
         self.last_commit: CommittedStep | None = None
         """The last step this proc committed (elastic runs only)."""
         if compat.on_cpu():
@@ -118,12 +114,11 @@ class MonarchTrainer(Trainer):
             )
         super().__init__(config)
         if config.monarch.enable:
-            self._session = ReplicaSession(ctx, _HealState(self))
-            self._reducer = GradientReducer(self._params(), self._session.device, overlap=False,
-                                            buffers_of=self.model_parts)
+            self._tx = StepTransaction(ctx, _HealState(self), self._params(), buffers_of=self.model_parts,
+                                       overlap=False, give_up=self._write_give_up_checkpoint)
             # torchtitan counted accumulation over this replica alone; a micro-batch spans every replica here.
             self.gradient_accumulation_steps = self.dataloader.config.micro_batches
-            self.checkpointer = _OneWriter(self.checkpointer, self._session)
+            self.checkpointer = _OneWriter(self.checkpointer, self._tx)
             logger.info(
                 f"monarch: replica {ctx.replica_id}, proc {ctx.local_rank} of {ctx.procs_per_replica}: global batch "
                 f"{global_batch_size(config)} samples per step ({self.gradient_accumulation_steps} micro-batch(es) "
@@ -137,54 +132,43 @@ class MonarchTrainer(Trainer):
 
     def should_continue_training(self) -> bool:
         """At every step boundary: enter a waiting generation (heal if behind); at the end, leave together."""
-        if self._session is None:
+        if self._tx is None:
             return super().should_continue_training()
-        while True:
-            self._sync_generation()
-            if self.step < self.config.training.steps:
-                return True
-            if self._session.finish():
-                self._session.close()
-                return False
+        self._tx.sync(self._committed)
+        if self.step < self.config.training.steps:
+            return True
+        self._tx.finish(lambda: self._committed)
+        return False
 
     def train_step(self, data_iterator):
-        if self._session is None:
+        if self._tx is None:
             return super().train_step(data_iterator)
         self._in_step = True
         try:
             while True:
-                self._sync_generation()
+                self._tx.sync(self._committed)
                 if self._committed >= self.step:
                     return  # a peer committed this step while ours was dropped; the heal handed it over
-                self._session.ctx.fault_point("step", self.step)
-                try:
-                    self._attempt(data_iterator)
+                if self._attempt(data_iterator):
                     return
-                except CollectiveInterrupted as e:
-                    self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
-                    self._session.ctx.events.emit("dropped_step", replica=self._session.ctx.replica_id,
-                                                  step=self.step, gen=self._session.gen, reason=type(e).__name__)
         except DataloaderExhaustedError:
-            while not self._session.finish():  # every replica reads the same stream: all ran out together
-                self._sync_generation()
-            self._session.close()
+            self._tx.finish(lambda: self._committed)  # every replica reads the same stream: all ran out together
             raise
         finally:
             self._in_step = False
 
-    def _attempt(self, data_iterator) -> None:
-        """One try at step `self.step` on the current generation; raises CollectiveInterrupted to drop it."""
-        session, parallel_dims = self._session, self.parallel_dims
-        self.dataloader.regroup(session.rank, session.world)
+    def _attempt(self, data_iterator) -> bool:
+        """One try at step `self.step` on the current generation; False if it was dropped."""
+        tx, parallel_dims = self._tx, self.parallel_dims
+        self.dataloader.regroup(tx.rank, tx.world)
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
         lr_metrics = self.lr_schedulers.get_metrics()
         should_log = self.metrics_processor.should_log(self.step)
         global_valid_tokens = torch.tensor(self.dataloader.valid_tokens(), dtype=torch.int64, device=self.device)
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
         tokens_before = self.ntokens_seen
-        session.flags.set_phase("compute", self.step)
-        self._reducer.begin_attempt(self.step)
-        session.begin_step(self._reducer, 1.0)
+        tx.begin(self.step)
+        tx.arm(1.0)  # every proc normalises its loss by the global token count: the sum is the mean
         loss_sum = torch.zeros((), device=self.device)
         for _ in range(self.gradient_accumulation_steps):
             input_dict, labels = next(data_iterator)
@@ -194,7 +178,10 @@ class MonarchTrainer(Trainer):
                                               global_valid_tokens=global_valid_tokens)
             loss_sum += loss.detach()
         self.ntokens_seen = tokens_before  # counted globally at commit, so a redone step is not counted twice
-        reduced = session.reduce(self._reducer, 1.0, [float(loss_sum)] if should_log else [])
+        reduced = tx.reduce(self.step, [float(loss_sum)] if should_log else [],
+                            lambda: self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs))
+        if reduced is None:
+            return False
 
         # Committed: every live replica summed this step's gradients.
         grad_norm = dist_utils.clip_grad_norm_(self._params(), self.config.training.max_norm, foreach=True,
@@ -207,10 +194,7 @@ class MonarchTrainer(Trainer):
         self.ntokens_seen += step_samples * self.config.training.seq_len
         self.dataloader.commit()
         self._committed = self.step
-        if self._announced_gen != session.gen:
-            self._announced_gen = session.gen
-            session.ctx.events.emit("first_commit", replica=session.ctx.replica_id, gen=session.gen,
-                                    step=self.step, world=session.world)
+        tx.committed(self.step)
         loss = None
         if should_log:
             loss_mesh = parallel_dims.get_optional_mesh("loss") if parallel_dims.dp_cp_enabled else None
@@ -219,38 +203,28 @@ class MonarchTrainer(Trainer):
             loss = dist_utils.dist_sum(total, loss_mesh)
             self.metrics_processor.log(
                 self.step, loss, dist_utils.dist_max(local_avg, loss_mesh), float(grad_norm.item()),
-                extra_metrics={"n_tokens_seen": self.ntokens_seen, "elastic/replicas": session.world, **lr_metrics},
+                extra_metrics={"n_tokens_seen": self.ntokens_seen, "elastic/replicas": tx.world, **lr_metrics},
             )
-        self.last_commit = CommittedStep(step=self.step, generation=session.gen, replicas=session.world, loss=loss,
+        self.last_commit = CommittedStep(step=self.step, generation=tx.gen, replicas=tx.world, loss=loss,
                                          samples=samples)
+        return True
 
-    def _sync_generation(self) -> None:
-        """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
-        session = self._session
-        if not session.needs_join():
-            return
-        session.join(self._committed)
-        if session.action == "checkpoint":
-            self._write_give_up_checkpoint()
-            raise StopReplica("the controller gave up; checkpoint written")
-
-    def _write_give_up_checkpoint(self) -> None:
+    def _write_give_up_checkpoint(self, committed: int) -> str | None:
         """The run stops (too few replicas): the generation's first replica writes torchtitan's checkpoint of
         the last committed step, which `--checkpoint.enable` loads on the next start."""
-        session = self._session
-        if session.rank != 0 or not self.checkpointer.enable:
-            return
-        self.checkpointer.inner.save(self._committed, last_step=True)
-        if torch.distributed.get_rank() == 0:
-            path = os.path.abspath(os.path.join(self.config.dump_folder, self.config.checkpoint.folder,
-                                                f"step-{self._committed}"))
-            session.ctx.events.emit("checkpoint", replica=session.ctx.replica_id, step=self._committed, path=path)
+        if self._tx.rank != 0 or not self.checkpointer.enable:
+            return None
+        self.checkpointer.inner.save(committed, last_step=True)
+        if torch.distributed.get_rank() != 0:
+            return None
+        return os.path.abspath(os.path.join(self.config.dump_folder, self.config.checkpoint.folder,
+                                            f"step-{committed}"))
 
     # -- torchtitan's train_state (checkpoints) --------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The last committed step: the give-up checkpoint is written from inside a step that was dropped."""
-        if self._session is None:
+        if self._tx is None:
             return super().state_dict()
         return {"step": self._committed, "ntokens_seen": self.ntokens_seen}
 
@@ -276,9 +250,6 @@ class _HealState:
 
     def state_dict(self) -> dict:
         t = self.trainer
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        if t.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(t.device)
         return {
             "step": t._committed,
             "ntokens_seen": t.ntokens_seen,
@@ -286,7 +257,7 @@ class _HealState:
             "optimizers": [optimizer.state_dict() for optimizer in t.optimizers.optimizers],
             "lr_schedulers": t.lr_schedulers.state_dict(),
             "data": t.dataloader.state_dict(),
-            "rng": rng,
+            "rng": rng_state(t.device),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -297,10 +268,7 @@ class _HealState:
             optimizer.load_state_dict(saved)
         t.lr_schedulers.load_state_dict(state["lr_schedulers"])
         t.dataloader.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"]["torch"].cpu())  # received on the wire device (a GPU under NCCL)
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and t.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), t.device)
+        set_rng_state(state["rng"], t.device)
         t.ntokens_seen = state["ntokens_seen"]
         t._committed = state["step"]
         if not t._in_step:
@@ -311,12 +279,12 @@ class _OneWriter:
     """torchtitan's checkpointer, saving from the current generation's first replica only (all its procs take
     part, as DCP needs): every replica holds the same state, and they share one checkpoint folder."""
 
-    def __init__(self, inner, session: ReplicaSession):
+    def __init__(self, inner, tx: StepTransaction):
         self.inner = inner
-        self.session = session
+        self.tx = tx
 
     def save(self, curr_step: int, last_step: bool = False) -> bool:
-        return self.session.rank == 0 and self.inner.save(curr_step, last_step)
+        return self.tx.rank == 0 and self.inner.save(curr_step, last_step)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -15,6 +15,7 @@ import traceback
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from monarch_plugin.protocol import Outcome
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
 
@@ -55,7 +56,7 @@ class ReplicaActor(Actor):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     @endpoint
-    def run(self, target: Target) -> dict:
+    def run(self, target: Target) -> Outcome:
         """`stage` of an error tells the controller whether the target could not even be loaded here (a
         module the replica cannot import) or the training code raised."""
         context.reset()
@@ -69,12 +70,7 @@ class ReplicaActor(Actor):
             from monarch_plugin.worker.session import StopReplica
 
             if isinstance(e, StopReplica):
-                return {"status": "stopped", "reason": str(e), "seconds": time.time() - t0}
-            return {
-                "status": "error",
-                "stage": stage,
-                "error": f"{type(e).__name__}: {e}",
-                "traceback": traceback.format_exc(),
-                "seconds": time.time() - t0,
-            }
-        return {"status": "ok", "value": value, "gen": context.flags.finished_gen, "seconds": time.time() - t0}
+                return Outcome("stopped", time.time() - t0, reason=str(e), checkpoint=e.checkpoint)
+            return Outcome("error", time.time() - t0, stage=stage, error=f"{type(e).__name__}: {e}",
+                           traceback=traceback.format_exc())
+        return Outcome("ok", time.time() - t0, value=value, gen=context.flags.finished_gen)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.events import EventLog
 from monarch_plugin.faults import parse_faults
+from monarch_plugin.protocol import Phase
 
 __all__ = ["WorkerContext", "current", "flags"]
 
@@ -33,12 +34,12 @@ class Flags:
         self.stop = False
         self._waiter: threading.Event | None = None
         self.finished_gen = -1  # the generation whose members all reached the end together
-        self.phase = "starting"
+        self.phase = Phase.STARTING
         self.phase_since = time.time()
         self.step = -1
         self.forming = -1  # the generation whose group this worker is forming (or last formed)
 
-    def set_phase(self, phase: str, step: int | None = None) -> None:
+    def set_phase(self, phase: Phase, step: int | None = None) -> None:
         self.phase, self.phase_since = phase, time.time()
         if step is not None:
             self.step = step

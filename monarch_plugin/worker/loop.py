@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -24,9 +23,8 @@ import torch
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.sampler import ElasticSampler, shard_bounds
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.collectives import CollectiveInterrupted
-from monarch_plugin.worker.reducer import GradientReducer
-from monarch_plugin.worker.session import ReplicaSession, StopReplica
+from monarch_plugin.worker.session import StopReplica
+from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
 __all__ = ["ElasticLoop", "Step"]
 
@@ -48,8 +46,8 @@ class Step:
 
     def no_sync(self):
         """Context for every backward but the last of a step (gradient accumulation), as DDP's no_sync."""
-        reducer = self._loop.reducer
-        return reducer.no_sync() if reducer is not None else contextlib.nullcontext()
+        tx = self._loop.tx
+        return tx.reducer.no_sync() if tx is not None else contextlib.nullcontext()
 
     def commit(self, **metrics: float | torch.Tensor) -> bool:
         """Reduce gradients over the live replicas and, only if every one succeeded, step the optimizer.
@@ -105,24 +103,22 @@ class ElasticLoop:
                 "scale_lr_with_replicas rescales the learning rate at each resize and would fight the LR "
                 "scheduler: scale inside your scheduler's lambda with loop.num_replicas instead"
             )
-        self.session = ReplicaSession(self.ctx, self) if self.ctx else None
-        self.reducer = (
-            GradientReducer(list(model.parameters()), self.session.device, overlap=overlap,
-                            buffers_of=[model])
-            if self.session else None
+        self.tx = (
+            StepTransaction(self.ctx, self, list(model.parameters()), buffers_of=[model], overlap=overlap,
+                            give_up=self._write_checkpoint)
+            if self.ctx else None
         )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
-        self._announced_gen = -1
 
     # -- what the loop is at ---------------------------------------------------------------------------
 
     @property
     def num_replicas(self) -> int:
-        return self.session.world if self.session else 1
+        return self.tx.world if self.tx else 1
 
     @property
     def rank(self) -> int:
-        return self.session.rank if self.session else 0
+        return self.tx.rank if self.tx else 0
 
     def done(self) -> bool:
         if self.max_steps is not None and self.step >= self.max_steps:
@@ -145,24 +141,20 @@ class ElasticLoop:
                 self.ctx.events.emit("stopped", replica=self.ctx.replica_id, step=self.step)
             raise
         finally:
-            if self.session:
-                self.session.close()
+            if self.tx:
+                self.tx.close()
 
     def _steps(self) -> Iterator[Step]:
-        session = self.session
+        tx = self.tx
         while True:
-            if session and session.needs_join():
-                session.join(self.step)
+            if tx and tx.sync(self.step):
                 self._apply_lr_policy()
-                if session.action == "checkpoint":
-                    self._write_checkpoint()
-                    raise StopReplica("the controller gave up; checkpoint written")
             if self.done():
-                if session is None or session.finish():
-                    break
-                continue
-            if self.ctx:
-                self.ctx.fault_point("step", self.step)
+                if tx:
+                    tx.finish(lambda: self.step)
+                break
+            if tx:
+                tx.begin(self.step)
             size = self._step_batch_size()
             lanes = self.ctx.procs_per_replica if self.ctx else 1
             lane = self.ctx.local_rank if self.ctx else 0
@@ -170,13 +162,11 @@ class ElasticLoop:
                 number=self.step, epoch=self.sampler.epoch,
                 indices=self.sampler.shard(size, self.rank * lanes + lane, self.num_replicas * lanes),
                 rank=self.rank, num_replicas=self.num_replicas,
-                generation=session.gen if session else 0, _loop=self,
+                generation=tx.gen if tx else 0, _loop=self,
             )
             step.weight = self._weight(step)
-            if session:
-                session.flags.set_phase("compute", self.step)
-                self.reducer.begin_attempt(self.step)
-                session.begin_step(self.reducer, step.weight)
+            if tx:
+                tx.arm(step.weight)
             yield step
             if step.committed is None:
                 raise RuntimeError("call step.commit() at the end of every step of an ElasticLoop")
@@ -186,13 +176,9 @@ class ElasticLoop:
         values = [x for t in tensors.values() for x in t.reshape(-1).tolist()]
         batch = self._step_batch_size()
         weight = step.weight
-        if self.session:
-            try:
-                values = self.session.reduce(self.reducer, weight, values)
-            except CollectiveInterrupted as e:
-                self.optimizer.zero_grad(set_to_none=True)
-                self.ctx.events.emit("dropped_step", replica=self.ctx.replica_id, step=step.number,
-                                     gen=step.generation, reason=type(e).__name__)
+        if self.tx:
+            values = self.tx.reduce(step.number, values, lambda: self.optimizer.zero_grad(set_to_none=True))
+            if values is None:
                 return False
         elif weight != 1.0:
             for p in self.model.parameters():
@@ -209,10 +195,8 @@ class ElasticLoop:
         self.optimizer.zero_grad(set_to_none=True)
         self.sampler.advance(batch)
         self.step += 1
-        if self.session and self._announced_gen != self.session.gen:
-            self._announced_gen = self.session.gen
-            self.ctx.events.emit("first_commit", replica=self.ctx.replica_id, gen=self.session.gen,
-                                 step=step.number, world=self.session.world)
+        if self.tx:
+            self.tx.committed(step.number)
         return True
 
     def _weight(self, step: Step) -> float:
@@ -241,10 +225,8 @@ class ElasticLoop:
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "step": self.step,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": rng_state(self._device),
         }
-        if torch.cuda.is_available():
-            state["rng"]["cuda"] = torch.cuda.get_rng_state_all()
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         if self.extra_state is not None:
@@ -256,26 +238,29 @@ class ElasticLoop:
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if "cuda" in state["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        set_rng_state(state["rng"], self._device)
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.extra_state is not None and "extra" in state:
             self.extra_state.load_state_dict(state["extra"])
 
-    def _write_checkpoint(self) -> None:
-        if self.session.rank != 0:
-            return
+    @property
+    def _device(self) -> torch.device:
+        """Where this proc trains: its GPU under nccl, the CPU otherwise."""
+        return self.tx.device if self.tx else torch.device("cpu")
+
+    def _write_checkpoint(self, committed: int) -> str | None:
+        """The controller gave up: the generation's first replica saves every proc's state (`resume` loads it)."""
+        if self.tx.rank != 0:
+            return None
         directory = self.config.checkpoint_dir
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"step{self.step:08d}-local{self.ctx.local_rank}.pt")
+        path = os.path.join(directory, f"step{committed:08d}-local{self.ctx.local_rank}.pt")
         torch.save(self.state_dict(), path)
-        self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=self.step, path=os.path.abspath(path))
+        return os.path.abspath(path)
 
     def resume(self, path: str) -> None:
         """Load a checkpoint written when a run gave up (before iterating)."""
         self.load_state_dict(torch.load(path, weights_only=False))
-        if self.session:
-            self.session.fresh = False
+        if self.tx:
+            self.tx.session.fresh = False

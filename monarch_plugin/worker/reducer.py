@@ -28,6 +28,7 @@ import contextlib
 
 import torch
 
+from monarch_plugin.protocol import Phase
 from monarch_plugin.worker.collectives import CollectiveInterrupted, wait_all
 from monarch_plugin.worker.context import Flags
 
@@ -193,7 +194,7 @@ class GradientReducer:
         for i in range(len(self.buckets)):
             if i not in self._works:
                 self._launch(i)
-        self._flags.set_phase("reduce")  # waiting on peers: the controller must not take this for a hang
+        self._flags.set_phase(Phase.REDUCE)  # waiting on peers: the controller must not take this for a hang
         wait_all([self._works[i] for i in range(len(self.buckets))], self._flags, self._gen, self._timeout_s)
         for i, bucket in enumerate(self.buckets):
             flat, offset = self._flats[i], 0
@@ -206,7 +207,7 @@ class GradientReducer:
                     _local(p.grad).copy_(flat[offset : offset + n].view_as(local))
                 offset += n
         self._reduced = True
-        self._flags.set_phase("compute")
+        self._flags.set_phase(Phase.COMPUTE)
 
     # -- commit ----------------------------------------------------------------------------------------
 

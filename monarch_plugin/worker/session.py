@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from monarch_plugin.backend import device_for_backend, resolve_backend
+from monarch_plugin.protocol import Action, Key, Phase, Plan
 from monarch_plugin.worker.collectives import (
     CollectiveInterrupted,
     CollectiveTimedOut,
@@ -48,6 +49,11 @@ for the collective timeout."""
 class StopReplica(BaseException):
     """The controller ended this replica's part in the run (finished without it, gave up, removed it)."""
 
+    def __init__(self, reason: str, checkpoint: str | None = None):
+        super().__init__(reason)
+        self.checkpoint = checkpoint
+        """The give-up checkpoint this proc wrote, if it is the one that wrote it."""
+
 
 class ReplicaSession:
     def __init__(self, ctx: WorkerContext, provider: StateProvider):
@@ -61,7 +67,7 @@ class ReplicaSession:
         self.rank = 0
         self.world = 1
         self.members: list[int] = []
-        self.action = "train"
+        self.action = Action.TRAIN
         self.pg = None
         self.intra = None  # this replica's own procs; they die together, so it is formed once
         self.fresh = True
@@ -86,16 +92,16 @@ class ReplicaSession:
         if self.gen < 0:
             if self.ctx.procs_per_replica > 1 and self.intra is None:
                 self.intra = new_group(
-                    store, f"intra/{self.ctx.replica_id}", self.ctx.local_rank, self.ctx.procs_per_replica,
+                    store, Key.replica_group(self.ctx.replica_id), self.ctx.local_rank, self.ctx.procs_per_replica,
                     "gloo", self.ctx.config.join_timeout_s, superseded=lambda: self.flags.stop,
                 )
-            store.add(f"ready/{self.ctx.replica_id}", 1)
+            store.add(Key.ready(self.ctx.replica_id), 1)
             self.ctx.events.emit("ready", replica=self.ctx.replica_id, pid=os.getpid())
-        self.flags.set_phase("join")
+        self.flags.set_phase(Phase.JOIN)
         tried = -1
         while True:
             plan = self._agreed_plan(after=tried)
-            tried = plan["gen"]
+            tried = plan.gen
             failure: CollectiveInterrupted | None = None
             try:
                 self._form(plan, step)
@@ -105,23 +111,23 @@ class ReplicaSession:
                 if not isinstance(e, GenerationChanged):
                     # Nobody has moved on (a construction error, a heal past its bound): the controller
                     # finds out who is stuck and plans the next generation; this worker waits for it.
-                    self.ctx.store.add(f"stalled/{plan['gen']}", 1)
-            if not self._vote(failed=failure is not None, gen=plan["gen"])[0]:
+                    self.ctx.store.add(Key.stalled(plan.gen), 1)
+            if not self._vote(failed=failure is not None, gen=plan.gen)[0]:
                 # Counted by the controller, which publishes a grow only once the generation has formed:
                 # a member leaving a half-formed generation for a newer plan would strand its peers in it.
-                self.ctx.store.add(f"formed/{self.gen}", 1)
+                self.ctx.store.add(Key.formed(self.gen), 1)
                 return
             reason = str(failure) if failure else "another proc of this replica could not join this generation"
-            self.ctx.events.emit("join_retry", gen=plan["gen"], reason=reason)
+            self.ctx.events.emit("join_retry", gen=plan.gen, reason=reason)
             abandon(self.pg)
             self.pg = None
 
-    def _agreed_plan(self, after: int) -> dict:
+    def _agreed_plan(self, after: int) -> Plan:
         """The plan to join next: local rank 0 picks it and publishes its pick, the other procs follow."""
         if self.intra is None:
             return self._next_plan(after)
         self._picks += 1
-        key = f"pick/{self.ctx.replica_id}/{self._picks}"
+        key = Key.pick(self.ctx.replica_id, self._picks)
         store = self.ctx.store
         if self.ctx.local_rank == 0:
             try:
@@ -129,22 +135,23 @@ class ReplicaSession:
             except (StopReplica, TimeoutError) as e:
                 store.set(key, json.dumps({"stop": type(e).__name__, "reason": str(e)}))
                 raise
-            store.set(key, json.dumps(plan))
+            store.set(key, plan.dumps())
             return plan
         started = time.monotonic()
         while not store.check([key]):
             if self.flags.stop:
                 raise StopReplica("the controller stopped this replica")
             time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
-        pick = json.loads(store.get(key))
+        raw = store.get(key)
+        pick = json.loads(raw)
         if "stop" in pick:
             raise (StopReplica if pick["stop"] == StopReplica.__name__ else TimeoutError)(pick["reason"])
-        return pick
+        return Plan.loads(raw)
 
     def _latest(self) -> int:
-        return int(self.ctx.store.get("latest"))
+        return int(self.ctx.store.get(Key.LATEST))
 
-    def _next_plan(self, after: int) -> dict:
+    def _next_plan(self, after: int) -> Plan:
         """The newest plan that includes this worker, newer than its generation and than `after` (a plan
         it already failed to form: retrying that one could only fail again)."""
         store = self.ctx.store
@@ -157,8 +164,8 @@ class ReplicaSession:
                 raise StopReplica("the controller stopped this replica")
             latest = self._latest()
             if latest > seen:
-                plan = json.loads(store.get(f"plan/{latest}"))
-                if rid in plan["members"]:
+                plan = Plan.loads(store.get(Key.plan(latest)))
+                if rid in plan.members:
                     return plan
                 if self.gen >= 0:
                     raise StopReplica(f"generation {latest} does not include replica {rid}")
@@ -172,20 +179,20 @@ class ReplicaSession:
             # should not spend the CPU the training replicas need polling for it.
             time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
 
-    def _form(self, plan: dict, step: int) -> None:
-        g, members = plan["gen"], plan["members"]
+    def _form(self, plan: Plan, step: int) -> None:
+        g, members = plan.gen, plan.members
         rank, world = members.index(self.ctx.replica_id), len(members)
         self.flags.forming = g
         abandon(self.pg)
         self.pg = None
         t0 = time.time()
         self.pg = new_group(
-            self.ctx.store, f"pg/{g}/{self.ctx.local_rank}", rank, world, self.backend, self.timeout_s,
+            self.ctx.store, Key.group(g, self.ctx.local_rank), rank, world, self.backend, self.timeout_s,
             superseded=lambda: self.flags.stop or self._latest() > g,
             fault_point=lambda where: self.ctx.fault_point(where, step), construct_bound_s=FORMATION_BOUND_S,
         )
         self.gen, self.rank, self.world, self.members = g, rank, world, list(members)
-        self.action = plan.get("action", "train")
+        self.action = plan.action
         self._broken = self._regroup_agreed = False
         self.ctx.events.emit(
             "join", replica=self.ctx.replica_id, gen=g, rank=rank, world=world, members=members,
@@ -212,7 +219,7 @@ class ReplicaSession:
         recipients = [self.members[r] for r in plan.recipients]
         t0 = time.time()
         sub = new_group(
-            self.ctx.store, f"heal/{self.gen}/{self.ctx.local_rank}", order.index(self.rank), len(order),
+            self.ctx.store, Key.heal_group(self.gen, self.ctx.local_rank), order.index(self.rank), len(order),
             self.backend, self.timeout_s, superseded=self._superseded,
         )
         try:
@@ -223,7 +230,7 @@ class ReplicaSession:
             )
         except CollectiveTimedOut as e:
             # Past its bound: never waited for. The controller treats the recipients as hung.
-            self.ctx.store.set(f"stalled/{self.gen}/heal", json.dumps(recipients))
+            self.ctx.store.set(Key.stalled_heal(self.gen), json.dumps(recipients))
             self.ctx.events.emit("heal_abandoned", gen=self.gen, donor=self.members[plan.donor],
                                  recipients=recipients, reason=str(e))
             raise
@@ -255,19 +262,19 @@ class ReplicaSession:
             if self.flags.abort_gen > self.gen:  # alone, nothing else fails the step of an aborted generation
                 failure = GenerationChanged(f"generation {self.gen} superseded by {self.flags.abort_gen}")
         else:
-            self.flags.set_phase("reduce")
+            self.flags.set_phase(Phase.REDUCE)
             try:
                 grow, reduced = reducer.reduce(list(metrics))
             except CollectiveInterrupted as e:
                 failure, grow, reduced = e, False, list(metrics)
                 if isinstance(e, CollectiveTimedOut):
-                    self.ctx.store.add(f"stalled/{self.gen}", 1)
+                    self.ctx.store.add(Key.stalled(self.gen), 1)
         failed, grow = self._vote(failed=failure is not None, gen=self.gen, grow=grow)
         if failed:
             self._broken = True
             raise failure or CollectiveInterrupted("another proc of this replica dropped the step")
         self._regroup_agreed = grow
-        self.flags.set_phase("compute")
+        self.flags.set_phase(Phase.COMPUTE)
         return reduced
 
     def _vote(self, failed: bool, gen: int, grow: bool = False) -> tuple[bool, bool]:
@@ -298,10 +305,10 @@ class ReplicaSession:
         if self.world == 1:
             self.flags.finished_gen = self.gen
             return True
-        key = f"fin/{self.gen}/{self.ctx.local_rank}"
+        key = Key.finished(self.gen, self.ctx.local_rank)
         store = self.ctx.store
         store.add(key, 1)
-        self.flags.set_phase("finish")
+        self.flags.set_phase(Phase.FINISH)
         deadline = time.monotonic() + self.ctx.config.join_timeout_s
         aborted = False
         while store.add(key, 0) < self.world:

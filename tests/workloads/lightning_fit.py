@@ -90,10 +90,11 @@ class Model(pl.LightningModule):
     def _hold_for_regrow(self) -> None:
         """--hold-for-regrow-from K: from global step K on, a shrunk group waits at each batch until a grow is
         announced, so a test sees the replacement join however slowly it starts (as the torchtitan probe)."""
-        session = getattr(self.trainer.strategy, "_session", None)
-        if self.hold_from < 0 or session is None or self.trainer.global_step < self.hold_from:
+        tx = getattr(self.trainer.strategy, "_tx", None)
+        if self.hold_from < 0 or tx is None or self.trainer.global_step < self.hold_from:
             return
-        while session.world < self.replicas and session.flags.regroup_gen <= session.gen and not session.flags.stop:
+        flags = tx.ctx.flags
+        while tx.world < self.replicas and flags.regroup_gen <= tx.gen and not flags.stop:
             time.sleep(0.02)
 
     def on_fit_start(self):

@@ -44,11 +44,12 @@ class ProbeTrainer(MonarchTrainer):
                 f.write(json.dumps(record) + "\n")
 
     def _wait_for_regrow(self) -> None:
-        session, wanted = self._session, self.config.monarch.replicas
-        if self.config.probe.shrunk_steps < 0 or session is None or session.world >= wanted:
+        tx, wanted = self._tx, self.config.monarch.replicas
+        if self.config.probe.shrunk_steps < 0 or tx is None or tx.world >= wanted:
             return
         if self._shrunk_steps() >= self.config.probe.shrunk_steps:
-            while session.flags.regroup_gen <= session.gen and not session.flags.stop:
+            flags = tx.ctx.flags
+            while flags.regroup_gen <= tx.gen and not flags.stop:
                 time.sleep(0.02)
 
     def _shrunk_steps(self) -> int:
@@ -72,7 +73,7 @@ class ProbeTrainer(MonarchTrainer):
                        "ntokens_seen": self.ntokens_seen}, f)
 
     def _path(self, kind: str, ext: str) -> str:
-        ctx = self._session.ctx
+        ctx = self._tx.ctx
         folder = os.path.join(self.config.dump_folder, "probe")
         os.makedirs(folder, exist_ok=True)
         return os.path.join(folder, f"{kind}-{ctx.replica_id}-{ctx.local_rank}.{ext}")

@@ -1,0 +1,177 @@
+"""The wire protocol between the controller and the workers, named in one place.
+
+The two sides talk through the controller's TCPStore (plans, counters, the groups' rendezvous) and through
+Monarch actor calls (interrupts, status probes, each proc's outcome). Every store key, plan field, phase, replica
+state, mesh name and outcome shape is defined here, so the sides cannot drift apart, and what a new dimension
+adds to the protocol (a host, for multi-host runs) is written once.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = [
+    "Action",
+    "Key",
+    "Outcome",
+    "Phase",
+    "Plan",
+    "ReplicaState",
+    "WAITING_ON_PEERS",
+    "mesh_names",
+    "replica_of_mesh",
+]
+
+
+class Phase(str, enum.Enum):
+    """What a worker's training thread is doing, as its control actor reports it to the controller's probes."""
+
+    STARTING = "starting"
+    JOIN = "join"
+    COMPUTE = "compute"
+    REDUCE = "reduce"
+    FINISH = "finish"
+
+
+WAITING_ON_PEERS = frozenset({Phase.JOIN, Phase.REDUCE, Phase.FINISH})
+"""Phases in which a worker waits on its peers: however long it sits there, it is not the one that hangs."""
+
+
+class Action(str, enum.Enum):
+    """What the members of a generation do in it."""
+
+    TRAIN = "train"
+    CHECKPOINT = "checkpoint"
+    """The controller gave up: write one durable checkpoint of the last committed step, then stop."""
+
+
+class ReplicaState(str, enum.Enum):
+    """A replica's life in the controller: spawning -> waiting -> member -> finished | dead | stopped."""
+
+    SPAWNING = "spawning"
+    WAITING = "waiting"
+    """Started and ready (every proc counted itself in `Key.ready`): a newcomer or hot spare not yet admitted."""
+    MEMBER = "member"
+    FINISHED = "finished"
+    DEAD = "dead"
+    STOPPED = "stopped"
+    """Returned without finishing: the controller stopped it, or gave up."""
+
+    @property
+    def live(self) -> bool:
+        """Its procs run (or are starting): it holds a GPU slot, and a shutdown must stop it."""
+        return self in (ReplicaState.SPAWNING, ReplicaState.WAITING, ReplicaState.MEMBER)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Generation `gen`: who trains together, and what they do. Published as `Key.plan(gen)`, then `Key.LATEST`."""
+
+    gen: int
+    members: list[int]
+    action: Action = Action.TRAIN
+    reason: str = ""
+
+    def dumps(self) -> str:
+        return json.dumps({**asdict(self), "action": self.action.value})
+
+    @classmethod
+    def loads(cls, text: str | bytes) -> "Plan":
+        raw = json.loads(text)
+        return cls(gen=raw["gen"], members=list(raw["members"]), action=Action(raw["action"]), reason=raw["reason"])
+
+
+class Key:
+    """The store's keys. Counters are `add`ed by every proc concerned and read by whoever waits on their sum."""
+
+    LATEST = "latest"
+    """The newest generation's number, set after its plan."""
+
+    @staticmethod
+    def plan(gen: int) -> str:
+        return f"plan/{gen}"
+
+    @staticmethod
+    def ready(replica: int) -> str:
+        """Counter: procs of the replica that started and formed their replica's own group."""
+        return f"ready/{replica}"
+
+    @staticmethod
+    def formed(gen: int) -> str:
+        """Counter: procs of the generation's members that formed its group and hold its state."""
+        return f"formed/{gen}"
+
+    @staticmethod
+    def stalled(gen: int) -> str:
+        """Counter: procs whose collective or formation in the generation timed out or failed."""
+        return f"stalled/{gen}"
+
+    @staticmethod
+    def stalled_heal(gen: int) -> str:
+        """The recipients (JSON list of replica ids) of a heal abandoned past its bound."""
+        return f"stalled/{gen}/heal"
+
+    @staticmethod
+    def pick(replica: int, n: int) -> str:
+        """The plan local rank 0 of a multi-proc replica picked for its n-th join attempt (its siblings follow)."""
+        return f"pick/{replica}/{n}"
+
+    @staticmethod
+    def finished(gen: int, lane: int) -> str:
+        """Counter: members whose proc `lane` reached the end of training in the generation."""
+        return f"fin/{gen}/{lane}"
+
+    # Prefixes of the groups' own rendezvous (`collectives.new_group` adds its keys under them).
+
+    @staticmethod
+    def group(gen: int, lane: int) -> str:
+        """The generation's cross-replica group of the procs with local rank `lane`."""
+        return f"pg/{gen}/{lane}"
+
+    @staticmethod
+    def heal_group(gen: int, lane: int) -> str:
+        return f"heal/{gen}/{lane}"
+
+    @staticmethod
+    def replica_group(replica: int) -> str:
+        """The replica's own procs (their votes), formed once: they die together."""
+        return f"intra/{replica}"
+
+
+@dataclass
+class Outcome:
+    """What one proc's `ReplicaActor.run` returns to the controller."""
+
+    status: str
+    """"ok" (trained to the end), "stopped" (the controller ended its part) or "error" (the target raised)."""
+    seconds: float
+    value: Any = None
+    """ok: the target's return value."""
+    gen: int = -1
+    """ok: the generation whose members all reached the end together (-1: the target never joined one)."""
+    reason: str = ""
+    """stopped: why."""
+    checkpoint: str | None = None
+    """stopped after a give-up: the checkpoint this proc wrote, if it was the one that wrote it."""
+    stage: str = ""
+    """error: "load" (the target could not even be loaded in the replica) or "run" (the training code raised)."""
+    error: str = ""
+    traceback: str = ""
+
+
+_MESH = re.compile(r"r(\d+)_(control|replica)")
+
+
+def mesh_names(replica: int) -> tuple[str, str, str]:
+    """The replica's proc mesh, and its two actors (control, training)."""
+    return f"replica{replica}", f"r{replica}_control", f"r{replica}_replica"
+
+
+def replica_of_mesh(name: str) -> int | None:
+    """The replica a failed actor mesh belongs to; None for Monarch's own per-mesh actors (its logger)."""
+    match = _MESH.match(name)
+    return int(match.group(1)) if match else None

@@ -1,0 +1,155 @@
+"""The step transaction: the one protocol every front end drives, whatever its training loop looks like.
+
+torchft keeps its optimizer glue tiny with a narrow protocol (`start_quorum` / `allreduce` / `should_commit`).
+This is ours; `ElasticLoop`, the Lightning strategies, the HF callback and the torchtitan trainer call it at
+their own hooks, and none of them emits a worker event or names a phase itself:
+
+    tx.sync(committed)                  # a step boundary: enter a waiting generation (join, heal, give up)
+    tx.begin(step)                      # an attempt at the next step starts (faults, phase, buffers)
+    tx.arm(weight)                      # its backward reduces as it goes, weighted by this replica's share
+    ... forward / backward ...
+    reduced = tx.reduce(step, metrics, zero_grad)
+    if reduced is None: ...             # dropped (gradients cleared): sync and attempt the step again
+    else: optimizer.step(); tx.committed(step)
+    ...
+    tx.finish(lambda: committed)        # after the last step: leave together
+
+`committed` is the number of steps this replica has committed; `step` is the front end's own number for the step
+in flight, the one its users see and `--fault ...:step=N` names (0-based in ElasticLoop, Lightning and HF, 1-based
+in torchtitan). The state a newcomer heals from is the front end's (a `StateProvider`); its RNG part is
+`rng_state` / `set_rng_state` here, so every front end carries the same generators.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import numpy as np
+import torch
+
+from monarch_plugin.protocol import Action, Phase
+from monarch_plugin.worker.collectives import CollectiveInterrupted
+from monarch_plugin.worker.context import WorkerContext
+from monarch_plugin.worker.heal import StateProvider
+from monarch_plugin.worker.reducer import GradientReducer
+from monarch_plugin.worker.session import ReplicaSession, StopReplica
+
+__all__ = ["StepTransaction", "rng_state", "set_rng_state"]
+
+
+class StepTransaction:
+    """One proc's part in the run's steps: its generation, its reducer, and the events of both."""
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        provider: StateProvider,
+        params: list[torch.nn.Parameter],
+        *,
+        buffers_of: list[torch.nn.Module] = (),
+        overlap: bool = True,
+        give_up: Callable[[int], str | None],
+    ):
+        """`give_up(committed)` writes the front end's checkpoint when the controller gives up, and returns its
+        path on the one proc that wrote it (None elsewhere); the replica then stops."""
+        self.ctx = ctx
+        self.session = ReplicaSession(ctx, provider)
+        self.reducer = GradientReducer(params, self.session.device, overlap=overlap, buffers_of=buffers_of)
+        self._give_up = give_up
+        self._weight = 1.0
+        self._announced_gen = -1
+
+    @property
+    def gen(self) -> int:
+        return self.session.gen
+
+    @property
+    def rank(self) -> int:
+        return self.session.rank
+
+    @property
+    def world(self) -> int:
+        return self.session.world
+
+    @property
+    def device(self) -> torch.device:
+        return self.session.device
+
+    def sync(self, committed: int) -> bool:
+        """At a step boundary: enter the newest generation if one is waiting (a death, or a grow agreed inside
+        the last step), healing from a peer if behind. True if this proc joined one, so the front end can
+        re-read its rank and shares. A generation the controller gave up in writes the checkpoint and stops."""
+        session = self.session
+        if not session.needs_join():
+            return False
+        session.join(committed)
+        if session.action == Action.CHECKPOINT:
+            path = self._give_up(committed)
+            if path is not None:
+                self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=committed, path=path)
+            raise StopReplica("the controller gave up; checkpoint written", checkpoint=path)
+        return True
+
+    def begin(self, step: int) -> None:
+        """An attempt at `step` starts, before its first forward: the fault injected there fires, the controller
+        sees the proc computing, and the buffers are as the step's first attempt found them."""
+        self.ctx.fault_point("step", step)
+        self.session.flags.set_phase(Phase.COMPUTE, step)
+        self.reducer.begin_attempt(step)
+
+    def arm(self, weight: float) -> None:
+        """The attempt's (last) backward reduces as gradients arrive, each scaled by `weight`, this replica's
+        fraction of the step's samples, so the sum over replicas is the mean over the global batch."""
+        self._weight = weight
+        self.session.begin_step(self.reducer, weight)
+
+    def reduce(self, step: int, metrics: list[float], zero_grad: Callable[[], None]) -> list[float] | None:
+        """Commit or drop the attempt: the metrics summed over the live replicas, or None if it was dropped, in
+        which case the gradients are already cleared (`zero_grad`) and the front end syncs and tries again."""
+        try:
+            return self.session.reduce(self.reducer, self._weight, list(metrics))
+        except CollectiveInterrupted as e:
+            zero_grad()
+            self.ctx.events.emit("dropped_step", replica=self.ctx.replica_id, step=step, gen=self.gen,
+                                 reason=type(e).__name__)
+            return None
+
+    def committed(self, step: int) -> None:
+        """Step `step` was committed (the optimizer stepped): the generation's first commit is an event."""
+        if self._announced_gen != self.gen:
+            self._announced_gen = self.gen
+            self.ctx.events.emit("first_commit", replica=self.ctx.replica_id, gen=self.gen, step=step,
+                                 world=self.world)
+
+    def finish(self, committed: Callable[[], int]) -> None:
+        """After the last step: leave once every live replica has committed it. A death meanwhile is healed
+        first (a member that dropped the last step catches up from one that committed it), so `committed` is
+        read again each time."""
+        while True:
+            self.sync(committed())
+            if self.session.finish():
+                break
+        self.close()
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def rng_state(device: torch.device) -> dict:
+    """This proc's random generators: Python's, NumPy's, torch's CPU one, and the GPU it trains on. Only that one:
+    a proc of a k-proc replica sees its replica's k GPUs, and reading a sibling's would create a context there."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Restore what `rng_state` took; tensors may arrive on the wire's device (a GPU under NCCL)."""
+    random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
