@@ -19,6 +19,16 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "elastic_loop.py"
+WORKLOADS = REPO / "tests" / "workloads"
+"""Training scripts the end-to-end tests run in replicas."""
+
+
+def pytest_collection_modifyitems(items):
+    """tests/e2e drives the front ends end to end, on real replica meshes (a few check a front end's settings in
+    this process); `-m "not slow"` runs the unit tests alone, in seconds."""
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
 
 
 def alive(pid: int) -> bool:

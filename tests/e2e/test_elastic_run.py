@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from conftest import alive
+from conftest import WORKLOADS, alive
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -66,11 +66,9 @@ def test_multi_proc_replica_is_replaced_whole(elastic_run):
     The survivor's two procs see the abort at different moments (the workload keeps them out of phase): they
     still drop and retry the same steps in the same generations, so every sample is trained once and all four
     procs end with the same weights."""
-    from pathlib import Path
-
     run = elastic_run()
     run.start("--replicas", "2", "--procs-per-replica", "2", "--min-replicas", "1", "--join-timeout", "120",
-              script=Path(__file__).parent / "workloads" / "two_procs_per_replica.py",
+              script=WORKLOADS / "two_procs_per_replica.py",
               script_args=(str(run.out), "60"))
     run.wait_for(lambda: run.progress(1) >= 5, timeout=120, what="replica 1 to train")
     pids = run.pids()
@@ -134,11 +132,9 @@ def test_module_target_without_failures(elastic_run):
 
 def test_replacement_ready_after_the_end_is_stopped_not_stranded(elastic_run):
     """A replacement admitted while the others sit in the finish barrier must not hang the run."""
-    from pathlib import Path
-
     run = elastic_run()
     run.start("--replicas", "3", "--min-replicas", "1", "--join-timeout", "60", "--collective-timeout", "30",
-              script=Path(__file__).parent / "workloads" / "slow_last_step.py",
+              script=WORKLOADS / "slow_last_step.py",
               script_args=(str(run.out), "40", "8"))
     run.wait_for(lambda: run.progress(1) >= 38, timeout=120, what="replica 1 near the end")
     os.kill(run.pids()[1][0], signal.SIGKILL)

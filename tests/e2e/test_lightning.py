@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,10 +25,10 @@ from lightning.pytorch.accelerators import Accelerator  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from conftest import ElasticRun, alive, run_factory  # noqa: E402
+from conftest import WORKLOADS, ElasticRun, alive, run_factory  # noqa: E402
 from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy  # noqa: E402
 
-WORKLOAD = Path(__file__).parent / "workloads" / "lightning_fit.py"
+WORKLOAD = WORKLOADS / "lightning_fit.py"
 sys.path.insert(0, str(WORKLOAD.parent))
 import lightning_fit  # noqa: E402
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ElasticRun, alive, run_factory
+from conftest import WORKLOADS, ElasticRun, alive, run_factory
 
 pytestmark = pytest.mark.timeout(120)
-WORKLOAD = Path(__file__).parent / "workloads" / "runtime_sys_path.py"
+WORKLOAD = WORKLOADS / "runtime_sys_path.py"
 _MARK = "MONARCH_PLUGIN_TEST_RUN"
 
 

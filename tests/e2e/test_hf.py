@@ -22,12 +22,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import ElasticRun, alive, run_factory  # noqa: E402
+from conftest import WORKLOADS, ElasticRun, alive, run_factory  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
 from monarch_plugin.integrations.hf._stream import ElasticStream  # noqa: E402
 
-WORKLOAD = Path(__file__).parent / "workloads" / "hf_train.py"
+WORKLOAD = WORKLOADS / "hf_train.py"
 INACTIVE = "MonarchElasticCallback is inactive"
 
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import alive
+from conftest import WORKLOADS, alive
 
 pytestmark = pytest.mark.timeout(240)
-WORKLOADS = Path(__file__).parent / "workloads"
 SLOW = ("--step-sleep", "0.05")
 
 
@@ -69,7 +67,7 @@ def test_hung_replica_is_found_killed_and_replaced(elastic_run):
     run = elastic_run()
     run.start("--replicas", "2", "--min-replicas", "1", "--collective-timeout", "3",
               "--fault", "hang:replica=1:step=5",
-              script_args=("--epochs", "6", *SLOW, "--out", str(run.out)))
+              script_args=("--epochs", "14", *SLOW, "--out", str(run.out)))  # ~10 s left: the replacement joins
     assert run.wait(timeout=180) == 0, run.output
     hang = run.events("hang")
     assert [h["replica"] for h in hang] == [1]

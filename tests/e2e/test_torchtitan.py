@@ -23,14 +23,13 @@ pytest.importorskip("torchtitan")
 
 from torchtitan.config import ConfigManager, ParallelismConfig  # noqa: E402
 
-from conftest import ElasticRun, alive, run_factory  # noqa: E402
+from conftest import WORKLOADS, ElasticRun, alive, run_factory  # noqa: E402
 from monarch_plugin.integrations.torchtitan import ElasticLauncher, MonarchConfig, MonarchTrainer  # noqa: E402
 from monarch_plugin.integrations.torchtitan.config_registry import (  # noqa: E402
     llama3_debugmodel_cpu,
     llama3_debugmodel_elastic,
 )
 
-WORKLOADS = Path(__file__).parent / "workloads"
 STEPS, SEQ_LEN, GLOBAL_BATCH = 10, 64, 8  # 2 replicas x 2 procs x local batch 2
 COMMON = ("--training.steps", str(STEPS), "--training.seq_len", str(SEQ_LEN), "--debug.seed", "7",
           "--metrics.log_freq", "1")

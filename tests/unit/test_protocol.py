@@ -1,0 +1,61 @@
+"""The wire protocol's pure parts, and the RNG capture every front end heals with."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from monarch_plugin.protocol import (
+    WAITING_ON_PEERS,
+    Action,
+    Key,
+    Outcome,
+    Phase,
+    Plan,
+    ReplicaState,
+    mesh_names,
+    replica_of_mesh,
+)
+from monarch_plugin.worker.transaction import rng_state, set_rng_state
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_plan_round_trips_through_the_store_text():
+    plan = Plan(gen=3, members=[0, 2], action=Action.CHECKPOINT, reason="giving up: too few replicas")
+    assert Plan.loads(plan.dumps()) == plan
+    assert Plan.loads(plan.dumps().encode()).action is Action.CHECKPOINT  # the store hands back bytes
+
+
+def test_keys_are_distinct_per_generation_replica_and_lane():
+    keys = [Key.LATEST, Key.plan(1), Key.ready(1), Key.formed(1), Key.stalled(1), Key.stalled_heal(1),
+            Key.pick(1, 1), Key.finished(1, 0), Key.finished(1, 1), Key.group(1, 0), Key.group(1, 1),
+            Key.heal_group(1, 0), Key.replica_group(1), Key.plan(2)]
+    assert len(set(keys)) == len(keys)
+
+
+def test_mesh_names_parse_back_to_their_replica_and_monarchs_own_do_not():
+    _, control, actor = mesh_names(12)
+    assert replica_of_mesh(control) == replica_of_mesh(actor) == 12
+    assert replica_of_mesh("logger_mesh") is None
+
+
+def test_phases_and_states_compare_with_their_wire_text():
+    assert "reduce" in WAITING_ON_PEERS and Phase.COMPUTE not in WAITING_ON_PEERS
+    assert [s.live for s in ReplicaState] == [True, True, True, False, False, False]
+
+
+def test_an_outcome_pickles_as_a_monarch_endpoint_returns_it():
+    outcome = Outcome("stopped", 1.5, reason="the controller gave up", checkpoint="/ckpt/step00000007.ckpt")
+    assert pickle.loads(pickle.dumps(outcome)) == outcome
+
+
+def test_rng_state_restores_python_numpy_and_torch():
+    state = rng_state(torch.device("cpu"))
+    drawn = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(state, torch.device("cpu"))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == drawn
