@@ -1,18 +1,27 @@
 """The elastic run's settings, validated before anything is spawned.
 
 One dataclass, shared by the controller, `monarch-run` and the framework front ends, so that every way in
-checks the same rules and fails with the same messages.
+checks the same rules and fails with the same messages. It is also the one source of the front ends' settings:
+`monarch-run`'s flags are built from its fields (`cli_flag`, help from `field_docs`), the Lightning strategies take
+their defaults from it, and every front end renders a message about a field in its own spelling (`spell_fields`:
+`--min-replicas` for `monarch-run`, `min_replicas` for Lightning, `--monarch.min_replicas` for torchtitan).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import os
+import re
+import textwrap
 from dataclasses import dataclass, field
+from typing import Callable
 
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS"]
+__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "cli_flag", "field_docs", "spell_fields"]
 
 BATCH_POLICIES = ("constant_global", "constant_local")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -34,12 +43,10 @@ class ElasticConfig:
     """Processes in one replica group (1 for DDP; k for FSDP sharded over k procs inside a replica).
     When one proc dies its whole replica is replaced."""
 
-    intra_backend: str = "auto"
-    """torch.distributed backend inside a replica: "auto" (nccl on CUDA and ROCm builds, gloo on CPU),
-    "gloo" or "nccl"."""
-
     cross_backend: str = "auto"
-    """Backend of the cross-replica gradient reduction; same choices as ``intra_backend``."""
+    """torch.distributed backend of the cross-replica gradient reduction: "auto" (nccl on CUDA and ROCm builds,
+    where it is RCCL; gloo on CPU), "gloo" or "nccl". Inside a replica the training code's own group uses
+    whichever backend it initialises (the Lightning strategies use their ``backend`` for both)."""
 
     batch_policy: str = "constant_global"
     """What a shrink does to the global batch. "constant_global": the global batch and learning rate stay
@@ -106,44 +113,48 @@ class ElasticConfig:
         for name in ("replicas", "min_replicas", "max_replicas", "procs_per_replica"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}: set it to 1 or more")
+                raise ConfigError(f"`{name}` must be a positive integer, got {value!r}: set it to 1 or more", name)
         if self.min_replicas > self.max_replicas:
             raise ConfigError(
-                f"min_replicas ({self.min_replicas}) is larger than max_replicas ({self.max_replicas}): "
-                "lower min_replicas or raise max_replicas"
+                f"`min_replicas` ({self.min_replicas}) is larger than `max_replicas` ({self.max_replicas}): "
+                "lower `min_replicas` or raise `max_replicas`", "min_replicas"
             )
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise ConfigError(
-                f"replicas ({self.replicas}) must lie between min_replicas ({self.min_replicas}) and "
-                f"max_replicas ({self.max_replicas}): change one of the three"
+                f"`replicas` ({self.replicas}) must lie between `min_replicas` ({self.min_replicas}) and "
+                f"`max_replicas` ({self.max_replicas}): change one of the three", "replicas"
             )
-        for name in ("intra_backend", "cross_backend"):
-            if getattr(self, name) not in BACKENDS:
-                raise ConfigError(
-                    f"unknown {name} {getattr(self, name)!r}: choose one of {', '.join(BACKENDS)}"
-                )
+        if self.cross_backend not in BACKENDS:
+            raise ConfigError(
+                f"unknown `cross_backend` {self.cross_backend!r}: choose one of {', '.join(BACKENDS)}", "cross_backend"
+            )
         if self.batch_policy not in BATCH_POLICIES:
             raise ConfigError(
-                f"unknown batch_policy {self.batch_policy!r}: choose one of {', '.join(BATCH_POLICIES)}"
+                f"unknown `batch_policy` {self.batch_policy!r}: choose one of {', '.join(BATCH_POLICIES)}",
+                "batch_policy",
             )
         if self.scale_lr_with_replicas and self.batch_policy != "constant_local":
             raise ConfigError(
-                "scale_lr_with_replicas only applies to batch_policy='constant_local' (with "
-                "'constant_global' the global batch, and so the right learning rate, never changes)"
+                "`scale_lr_with_replicas` only applies to `batch_policy`='constant_local' (with "
+                "'constant_global' the global batch, and so the right learning rate, never changes)",
+                "scale_lr_with_replicas",
             )
         for name in ("max_restarts", "crash_loop_limit", "spares"):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be 0 or more, got {getattr(self, name)}")
+                raise ConfigError(f"`{name}` must be 0 or more, got {getattr(self, name)}", name)
         for name in ("restart_backoff_s",):
             if getattr(self, name) < 0:
-                raise ConfigError(f"{name} must be 0 or more seconds, got {getattr(self, name)}")
+                raise ConfigError(f"`{name}` must be 0 or more seconds, got {getattr(self, name)}", name)
         for name in ("join_timeout_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+                raise ConfigError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}", name)
         if self.fault:
             from monarch_plugin.faults import parse_faults
 
-            parse_faults(self.fault)
+            try:
+                parse_faults(self.fault)
+            except ConfigError as e:
+                raise ConfigError(f"`fault`: {e}", "fault") from e
 
     def to_env(self) -> dict[str, str]:
         """The settings a worker needs, as environment variables (they cross the process boundary)."""
@@ -153,6 +164,34 @@ class ElasticConfig:
     def from_env(cls) -> "ElasticConfig | None":
         raw = os.environ.get("MONARCH_PLUGIN_CONFIG")
         return _decode(raw) if raw else None
+
+
+_FLAGS = {"cross_backend": "--backend", "events_path": "--events"}
+
+
+def cli_flag(name: str) -> str:
+    """`monarch-run`'s flag for the field `name`: torchrun's style, `--min-replicas`, seconds without `_s`."""
+    return _FLAGS.get(name) or "--" + name.removesuffix("_s").replace("_", "-")
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string under it in the class body), one line each: Python keeps none."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(ElasticConfig)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def spell_fields(text: str, spell: Callable[[str], str]) -> str:
+    """`text`, a message of the runtime's, with each field it names (in backticks: `` `min_replicas` ``) written as
+    a front end spells that setting, e.g. `spell_fields(str(error), cli_flag)`."""
+    names = {f.name for f in dataclasses.fields(ElasticConfig)}
+    return re.sub(r"`(\w+)`", lambda m: spell(m.group(1)) if m.group(1) in names else m.group(0), text)
 
 
 def _encode(cfg: ElasticConfig) -> str:

@@ -30,6 +30,7 @@ from typing import Any  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from monarch_plugin import policies  # noqa: E402
 from monarch_plugin.backend import accelerator_kind, resolve_backend  # noqa: E402
 from monarch_plugin.config import ElasticConfig  # noqa: E402
 from monarch_plugin.devices import plan_gpus  # noqa: E402
@@ -51,7 +52,6 @@ from monarch_plugin.worker.session import FORMATION_BOUND_S  # noqa: E402
 
 __all__ = ["ElasticController", "RunResult"]
 
-_MAX_BACKOFF_S = 30.0
 _STALL_GRACE_S = 0.5
 
 
@@ -90,7 +90,6 @@ class ElasticController:
 
     def __init__(self, config: ElasticConfig, target: Target):
         config.validate()
-        resolve_backend(config.intra_backend)
         resolve_backend(config.cross_backend)
         self._gpus = plan_gpus(accelerator_kind(), torch.cuda.device_count(), os.environ,
                                config.replicas + config.spares, config.procs_per_replica)
@@ -237,8 +236,8 @@ class ElasticController:
         if len(ready) + len(done) < self.config.min_replicas:
             why = f"; last error: {self._last_death}" if self._last_death else ""
             self._give_up(
-                f"only {len(ready)} of {self.config.replicas} replicas started (min_replicas="
-                f"{self.config.min_replicas}, join_timeout_s={self.config.join_timeout_s:.0f}){why}"
+                f"only {len(ready)} of {self.config.replicas} replicas started (`min_replicas` "
+                f"{self.config.min_replicas}, `join_timeout_s` {self.config.join_timeout_s:.0f}){why}"
             )
         if ready:
             self._announce(ready[: self.config.max_replicas], reason="start", interrupt=False)
@@ -344,32 +343,27 @@ class ElasticController:
             return
         if was_member:
             survivors = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
-            if len(survivors) < self.config.min_replicas:
-                self._give_up(
-                    f"{len(survivors)} live replica(s) left, below min_replicas={self.config.min_replicas}: "
-                    "stopping (lower --min-replicas to keep training on fewer)",
-                )
+            why = policies.below_min(len(survivors), self.config)
+            if why:
+                self._give_up(why)
                 return
-            survivors += self._ready_waiting(limit=self.config.replicas - len(survivors))
-            self._announce(survivors, reason=f"replica {replica.rid} died", interrupt=True)
-        if self.early_deaths >= self.config.crash_loop_limit > 0:
-            self._give_up(
-                f"{self.early_deaths} replacement replicas in a row died before joining: a crash loop, "
-                "probably a bug in the training code or the environment; see the worker logs"
-            )
+            members = policies.next_members(survivors, self._ready_waiting(), self.config)
+            self._announce(members, reason=f"replica {replica.rid} died", interrupt=True)
+        why = policies.crash_loop(self.early_deaths, self.config)
+        if why:
+            self._give_up(why)
             return
         self._schedule_respawn()
 
     def _schedule_respawn(self) -> None:
-        alive = [r for r in self.replicas.values() if r.state.live]
-        if len(alive) + len(self._respawn_at) >= self.config.replicas + self.config.spares:
+        live = sum(r.state.live for r in self.replicas.values())
+        if not policies.respawn_wanted(live, len(self._respawn_at), self.config):
             return
-        if self.restarts + len(self._respawn_at) >= self.config.max_restarts:
-            self.events.emit("no_respawn", reason=f"max_restarts={self.config.max_restarts} used")
+        why = policies.respawn_refused(self.restarts, len(self._respawn_at), self.config)
+        if why:
+            self.events.emit("no_respawn", reason=why)
             return
-        delay = 0.0  # the first replacement goes at once; only replacements that keep dying back off
-        if self.early_deaths and self.config.restart_backoff_s > 0:
-            delay = min(self.config.restart_backoff_s * 2 ** (self.early_deaths - 1), _MAX_BACKOFF_S)
+        delay = policies.respawn_delay(self.early_deaths, self.config)
         self._respawn_at.append(time.monotonic() + delay)
         self.events.emit("respawn_scheduled", delay=delay, restarts=self.restarts, early_deaths=self.early_deaths)
 
@@ -380,8 +374,8 @@ class ElasticController:
             self._respawn_at.remove(t)
             self._spawn(initial=False)
 
-    def _ready_waiting(self, limit: int) -> list[int]:
-        return [r.rid for r in self.replicas.values() if r.state == ReplicaState.WAITING][: max(limit, 0)]
+    def _ready_waiting(self) -> list[int]:
+        return [r.rid for r in self.replicas.values() if r.state == ReplicaState.WAITING]
 
     def _admit_ready(self) -> None:
         if not self.members or self.finished_gen is not None:
@@ -389,8 +383,7 @@ class ElasticController:
         current = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         if len(current) != len(self.members):
             return  # the generation is finishing or changing; admit at the next one
-        # Up to the target size; ready replicas beyond it wait as hot spares for the next death.
-        newcomers = self._ready_waiting(limit=self.config.replicas - len(current))
+        newcomers = policies.admit(current, self._ready_waiting(), self.config)
         if newcomers and self._formed(self.gen):  # a grow moves members only at a step boundary they share
             self._announce(current + newcomers, reason=f"replica(s) {newcomers} ready", interrupt=False)
 

@@ -11,7 +11,14 @@ __all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "Repli
 
 
 class ConfigError(ValueError):
-    """A setting is invalid; raised before any process is spawned."""
+    """A setting is invalid; raised before any process is spawned.
+
+    ``field`` is the `ElasticConfig` field at fault, when one is; the message names fields as the runtime does,
+    and each front end writes them in its own spelling (`config.spell_fields`)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class BackendUnavailableError(RuntimeError):

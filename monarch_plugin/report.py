@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Recovery", "recoveries", "format_recovery"]
+__all__ = ["Recovery", "recoveries", "format_recovery", "run_summary"]
 
 
 @dataclass
@@ -128,3 +128,13 @@ def format_recovery(rec: Recovery) -> str:
         else:
             lines.append(f"  replacement replica {rec.replacement}: spawned in {ms(p['spawn'])}, {heal}, {training}")
     return "\n".join(lines)
+
+
+def run_summary(result) -> list[str]:
+    """What every front end prints when a run ends: each recovery, then the run's totals (a `RunResult`)."""
+    from monarch_plugin.events import read_events
+
+    lines = [line for rec in recoveries(read_events(result.events_path)) for line in format_recovery(rec).split("\n")]
+    lines.append(f"finished in {result.seconds:.1f}s: {result.generations} generation(s), {result.deaths} death(s), "
+                 f"{result.replicas_spawned} replica(s) spawned; events in {result.events_path}")
+    return lines

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.integrations.lightning.strategy import MonarchStrategy
@@ -64,6 +65,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
 
     # -- controller side ---------------------------------------------------------------------------------
 
+    @override
     def elastic_config(self, root_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
         devices = len(self.parallel_devices or [])
         if devices % self.procs_per_replica:
@@ -75,6 +77,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
 
     # -- inside a replica -----------------------------------------------------------------------------------
 
+    @override
     def setup(self, trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self._ctx is not None:
             self._shard(self.lightning_module)  # before the optimizers exist: they must hold the shards
@@ -94,6 +97,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
 
     _overlap = False  # FSDP assigns its sharded gradients after its own reduce-scatter: reduced in `backward`
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """FSDP has reduce-scattered within the replica when backward returns; reduce across replicas now, so
         clipping and `on_before_optimizer_step` see the global gradient, as under DDP."""
@@ -102,11 +106,13 @@ class MonarchFSDPStrategy(MonarchStrategy):
             self._tx.reducer.backward_done()
         return out
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         args = self._elastic_batch(args)
         with self.precision_plugin.train_step_context():
             return self._through_forward("training_step", *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._through_forward("validation_step", *args, **kwargs)
@@ -120,6 +126,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
 
     # -- state: full tensors in and out ------------------------------------------------------------------------
 
+    @override
     def full_state_dict(self) -> dict:
         """Gathered on every proc of the replica (a collective); held by its first proc, empty elsewhere."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -129,9 +136,11 @@ class MonarchFSDPStrategy(MonarchStrategy):
         return get_model_state_dict(self.lightning_module,
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return self.full_state_dict()
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -143,15 +152,18 @@ class MonarchFSDPStrategy(MonarchStrategy):
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # a checkpoint's full tensors load into the shards, which exist only after setup
 
+    @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(self.lightning_module, checkpoint["state_dict"],
                              options=StateDictOptions(full_state_dict=True, strict=strict))
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

@@ -27,14 +27,20 @@ from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from monarch_plugin.checksum import state_checksum
+from monarch_plugin.config import spell_fields
 from monarch_plugin.controller import ElasticController
-from monarch_plugin.errors import ConfigError
-from monarch_plugin.events import read_events
-from monarch_plugin.report import format_recovery, recoveries
+from monarch_plugin.errors import ConfigError, ElasticRunAborted
+from monarch_plugin.report import run_summary
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context as _context
+
+
+def argument(field: str) -> str:
+    """A runtime setting as the Lightning strategies spell it: their keyword argument (`backend` is both layers')."""
+    return "`backend`" if field == "cross_backend" else f"`{field}`"
 
 
 class _MonarchLauncher(_Launcher):
@@ -42,9 +48,11 @@ class _MonarchLauncher(_Launcher):
         self._strategy = strategy
 
     @property
+    @override
     def is_interactive_compatible(self) -> bool:
         return False
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         fitting = trainer.state.fn == TrainerFn.FITTING
         model = args[0] if args else kwargs.get("model")
@@ -85,14 +93,13 @@ class _MonarchLauncher(_Launcher):
         try:
             controller = ElasticController(config, target)
         except ConfigError as e:  # e.g. more replicas x procs than visible GPUs
-            raise MisconfigurationException(f"MonarchStrategy: {e}") from e
-        result = controller.run()
-        for recovery in recoveries(read_events(result.events_path)):
-            rank_zero_info(format_recovery(recovery))
-        rank_zero_info(
-            f"monarch: finished in {result.seconds:.1f}s: {result.generations} generation(s), {result.deaths} "
-            f"death(s), {result.replicas_spawned} replica(s) spawned; events in {result.events_path}"
-        )
+            raise MisconfigurationException(f"MonarchStrategy: {spell_fields(str(e), argument)}") from e
+        try:
+            result = controller.run()
+        except ElasticRunAborted as e:  # the message names the strategy's own arguments
+            raise ElasticRunAborted(spell_fields(str(e), argument), e.checkpoint) from e
+        for line in run_summary(result):
+            rank_zero_info(f"monarch: {line}")
         outputs = sorted((v[0] for v in result.values.values() if v and v[0]), key=lambda o: o["rank"])
         if not fitting:  # any replica's result is the stage's: each one evaluated every sample
             self._recover_stage_results(outputs[0], trainer)
@@ -120,6 +127,7 @@ class _MonarchLauncher(_Launcher):
         trainer.state = output["trainer_state"]
         trainer.callback_metrics.update(torch.load(io.BytesIO(output["callback_metrics"]), weights_only=True))
 
+    @override
     def kill(self, signum) -> None:
         """The controller owns the replicas' lifetime; interrupting `fit` stops it, and it stops them."""
 

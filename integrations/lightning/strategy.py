@@ -41,10 +41,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from typing_extensions import override
 
 from monarch_plugin.backend import resolve_backend
-from monarch_plugin.config import ElasticConfig
+from monarch_plugin.config import ElasticConfig, spell_fields
 from monarch_plugin.errors import ConfigError
+from monarch_plugin.integrations.lightning.launcher import argument
 from monarch_plugin.sampler import ElasticSampler, shard_bounds
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
@@ -73,16 +75,16 @@ class MonarchStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        min_replicas: int = 1,
+        min_replicas: int = ElasticConfig.min_replicas,
         max_replicas: Optional[int] = None,
-        backend: str = "auto",
-        join_timeout_s: float = 300.0,
-        collective_timeout_s: float = 60.0,
+        backend: str = ElasticConfig.cross_backend,
+        join_timeout_s: float = ElasticConfig.join_timeout_s,
+        collective_timeout_s: float = ElasticConfig.collective_timeout_s,
         fault: Optional[str] = None,
         events_path: Optional[str] = None,
-        checkpoint_dir: str = "monarch_checkpoints",
-        max_restarts: int = 10,
-        spares: int = 0,
+        checkpoint_dir: str = ElasticConfig.checkpoint_dir,
+        max_restarts: int = ElasticConfig.max_restarts,
+        spares: int = ElasticConfig.spares,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -148,7 +150,7 @@ class MonarchStrategy(ParallelStrategy):
         try:
             return ElasticConfig(
                 replicas=self.replicas, min_replicas=self.min_replicas if fitting else 1,
-                max_replicas=self.max_replicas, intra_backend=self.backend, cross_backend=self.backend,
+                max_replicas=self.max_replicas, cross_backend=self.backend,
                 join_timeout_s=self.join_timeout_s, collective_timeout_s=self.collective_timeout_s,
                 fault=self.fault if fitting else None,
                 events_path=events, checkpoint_dir=self.checkpoint_dir,
@@ -156,8 +158,9 @@ class MonarchStrategy(ParallelStrategy):
                 procs_per_replica=self.procs_per_replica,
             )
         except ConfigError as e:
-            raise MisconfigurationException(f"MonarchStrategy: {e}") from e
+            raise MisconfigurationException(f"MonarchStrategy: {spell_fields(str(e), argument)}") from e
 
+    @override
     def _configure_launcher(self) -> None:
         if not isinstance(self.accelerator, (CPUAccelerator, CUDAAccelerator)):
             raise MisconfigurationException(
@@ -184,6 +187,7 @@ class MonarchStrategy(ParallelStrategy):
     # -- the replica's own (intra-replica) world -------------------------------------------------------------
 
     @property
+    @override
     def root_device(self) -> torch.device:
         """This proc's device. On GPUs the controller narrows each replica's visible GPUs to its own, so the
         local rank indexes them, as under torchrun."""
@@ -192,11 +196,13 @@ class MonarchStrategy(ParallelStrategy):
         return torch.device("cpu")
 
     @property
+    @override
     def is_global_zero(self) -> bool:
         """Rank 0 of the current generation: the one replica that logs and writes checkpoints."""
         return self.global_rank == 0 and self._elastic_rank() == 0
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": 1, "rank": 0}
 
@@ -211,6 +217,7 @@ class MonarchStrategy(ParallelStrategy):
     def _update_rank_zero(self) -> None:
         rank_zero_only.rank = utils_rank_zero_only.rank = 0 if self.is_global_zero else max(self._elastic_rank(), 1)
 
+    @override
     def setup_environment(self) -> None:
         ctx = _context.current()
         if ctx is None:
@@ -229,6 +236,7 @@ class MonarchStrategy(ParallelStrategy):
         intra = resolve_backend(self.backend)
         _init_dist_connection(self.cluster_environment, intra)
 
+    @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING or self._ctx is None:
@@ -246,20 +254,24 @@ class MonarchStrategy(ParallelStrategy):
     _overlap = True
     """Reduce buckets while backward runs (DDP's overlap); FSDP assigns its gradients after backward instead."""
 
+    @override
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
 
+    @override
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         """Within this replica only: metrics logged with sync_dist=True are not reduced across replicas."""
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def barrier(self, name: Optional[str] = None) -> None:
         """Within this replica only: replicas come and go, so a cross-replica barrier could wait on the dead."""
         if _distributed_is_initialized():
             torch.distributed.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
@@ -269,6 +281,7 @@ class MonarchStrategy(ParallelStrategy):
 
     # -- data -----------------------------------------------------------------------------------------------
 
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         if self._tx is None or not self.lightning_module.trainer.training:
             return dataloader
@@ -350,10 +363,12 @@ class MonarchStrategy(ParallelStrategy):
 
     # -- the step transaction ------------------------------------------------------------------------------
 
+    @override
     def on_train_start(self) -> None:
         self._fit_loop_started = True
         super().on_train_start()
 
+    @override
     def on_validation_start(self) -> None:
         """A validation inside an accumulation window (`val_check_interval`) runs on the buffers of the last
         commit, as every replica holds them, not on this replica's own micro-batches' statistics since."""
@@ -362,12 +377,14 @@ class MonarchStrategy(ParallelStrategy):
             self._validation_buffers = self._tx.reducer.first_attempt_buffers()
             self._validation_buffers.__enter__()
 
+    @override
     def on_validation_end(self) -> None:
         if self._validation_buffers is not None:
             self._validation_buffers.__exit__(None, None, None)
             self._validation_buffers = None
         super().on_validation_end()
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With several procs to a replica, each proc's loss is the mean over its own samples and the replica
         averages its procs' gradients; weight each loss by its share so uneven splits still average right."""
@@ -379,10 +396,12 @@ class MonarchStrategy(ParallelStrategy):
             )
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def block_backward_sync(self):
         """Lightning's accumulation micro-batches: their backward accumulates locally, as under DDP's no_sync."""
         return self._tx.reducer.no_sync() if self._tx is not None else contextlib.nullcontext()
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return super().training_step(*self._elastic_batch(args), **kwargs)
 
@@ -408,6 +427,7 @@ class MonarchStrategy(ParallelStrategy):
         self._tx.begin(self._step)
         self._window_gen = self._tx.gen
 
+    @override
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         if self._tx is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)

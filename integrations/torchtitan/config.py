@@ -11,11 +11,10 @@ them; pipeline, tensor, context and expert parallelism are refused).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from monarch_plugin.config import ElasticConfig
+from monarch_plugin.config import ElasticConfig, spell_fields
 from monarch_plugin.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -64,13 +63,18 @@ class MonarchConfig:
     max_restarts: int = 10
     """Replacement replicas spawned over the whole run before the controller gives up."""
 
-    join_timeout_s: float = 600.0
-    """How long a (re)spawned replica may take to build its Trainer and reach the first step."""
+    join_timeout_s: float = 2 * ElasticConfig.join_timeout_s
+    """
+    How long a (re)spawned replica may take to build its Trainer and reach the first step: twice the runtime's
+    default, because a torchtitan replica builds, parallelizes and (with `--checkpoint.enable`) loads its model
+    before it can join.
+    """
 
-    collective_timeout_s: float = 120.0
+    collective_timeout_s: float = 2 * ElasticConfig.collective_timeout_s
     """
     A cross-replica reduction slower than this is a hang: the controller finds the stuck replica and
-    replaces it. Keep it above the longest gap between steps (validation, checkpoint saves).
+    replaces it. Twice the runtime's default: keep it above the longest gap between steps, and torchtitan
+    validates and saves checkpoints between steps.
     """
 
     fault: str | None = None
@@ -108,15 +112,9 @@ def elastic_config(config: "MonarchTrainer.Config") -> ElasticConfig:
     )
 
 
-def _flag_names(message: str) -> str:
-    """The runtime's message about its `ElasticConfig` fields, with the `--monarch.*` flags that set them."""
-    if "fault" in message:
-        return f"--monarch.fault: {message}"
-    fields = ("min_replicas", "max_replicas", "procs_per_replica", "replicas", "spares", "max_restarts",
-              "join_timeout_s", "collective_timeout_s", "cross_backend")
-    flag = {"cross_backend": "backend"}
-    pattern = r"(?<![\w.-])(" + "|".join(fields) + r")\b"
-    return re.sub(pattern, lambda m: f"--monarch.{flag.get(m.group(1), m.group(1))}", message)
+def flag(field: str) -> str:
+    """A runtime setting as this section spells it: `--monarch.<field>` (`backend` for the cross-replica one)."""
+    return "--monarch.backend" if field == "cross_backend" else f"--monarch.{field}"
 
 
 def validate(config: "MonarchTrainer.Config") -> None:
@@ -129,7 +127,7 @@ def validate(config: "MonarchTrainer.Config") -> None:
     try:
         elastic_config(config)
     except ConfigError as e:
-        raise ValueError(_flag_names(str(e))) from e
+        raise ValueError(spell_fields(str(e), flag)) from e
     k = monarch.procs_per_replica
     unsupported = {
         "pipeline_parallel_degree": "pipeline parallelism",

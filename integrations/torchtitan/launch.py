@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from torchtitan.tools.logging import logger
 
+from monarch_plugin.config import spell_fields
 from monarch_plugin.controller import ElasticController, RunResult
 from monarch_plugin.errors import ElasticRunAborted
-from monarch_plugin.events import read_events
-from monarch_plugin.integrations.torchtitan.config import elastic_config
-from monarch_plugin.report import format_recovery, recoveries
+from monarch_plugin.integrations.torchtitan.config import elastic_config, flag
+from monarch_plugin.report import run_summary
 from monarch_plugin.target import Target
 
 if TYPE_CHECKING:
@@ -54,13 +54,9 @@ class ElasticLauncher:
         try:
             self.result = ElasticController(settings, this_command()).run()
         except ElasticRunAborted as e:
-            raise SystemExit(f"monarch: {e}") from e
-        for recovery in recoveries(read_events(self.result.events_path)):
-            logger.info("monarch: " + format_recovery(recovery).replace("\n", "\nmonarch: "))
-        logger.info(
-            f"monarch: finished in {self.result.seconds:.1f}s: {self.result.generations} generation(s), "
-            f"{self.result.deaths} death(s), {self.result.replicas_spawned} replica(s) spawned"
-        )
+            raise SystemExit(f"monarch: {spell_fields(str(e), flag)}") from e
+        for line in run_summary(self.result):
+            logger.info(f"monarch: {line}")
 
     def close(self) -> None:
         """Nothing to release: the controller stopped every replica before `train()` returned."""

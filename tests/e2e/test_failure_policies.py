@@ -29,7 +29,7 @@ def test_below_min_replicas_stops_with_checkpoint(elastic_run):
     run.wait_for(lambda: run.progress(1) >= 5, timeout=120, what="training to start")
     os.kill(run.pids()[1][0], signal.SIGKILL)
     assert run.wait(timeout=120) == 1
-    assert "below min_replicas=2" in run.output and "--min-replicas" in run.output
+    assert "below --min-replicas 2" in run.output and "lower --min-replicas to keep training" in run.output
     give_up = run.events("give_up")
     assert len(give_up) == 1 and give_up[0]["checkpoint"]
     state = torch.load(give_up[0]["checkpoint"], weights_only=False)

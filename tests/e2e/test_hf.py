@@ -173,7 +173,7 @@ def test_failure_free_run_matches_torchrun_ddp_and_a_give_up_checkpoint_resumes_
     assert {h["elastic/replicas"] for h in results["0"]["log_history"] if "elastic/replicas" in h} == {2.0}
     assert INACTIVE in ddp.output  # under torchrun the callback stays out of the way
 
-    assert "below min_replicas=2" in stopped.output
+    assert "below --min-replicas 2" in stopped.output  # monarch-run's flag: it launched the run
     give_up = stopped.events("give_up")
     assert len(give_up) == 1 and give_up[0]["checkpoint"] == str(stopped.out / "hf" / "checkpoint-5"), give_up
     assert [c["replica"] for c in stopped.events("checkpoint")] == [1]

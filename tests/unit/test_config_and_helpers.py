@@ -13,6 +13,7 @@ import pytest
 
 from monarch_plugin import ConfigError, ElasticConfig, ElasticSampler, FaultSpec
 from monarch_plugin.backend import resolve_backend
+from monarch_plugin.config import cli_flag, field_docs, spell_fields
 from monarch_plugin.devices import plan_gpus
 from monarch_plugin.errors import BackendUnavailableError
 from monarch_plugin.sampler import shard_bounds
@@ -25,12 +26,12 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(replicas=2, min_replicas=3, max_replicas=2), "lower min_replicas or raise max_replicas"),
-        (dict(replicas=0), "replicas must be a positive integer"),
+        (dict(replicas=2, min_replicas=3, max_replicas=2), "lower `min_replicas` or raise `max_replicas`"),
+        (dict(replicas=0), "`replicas` must be a positive integer"),
         (dict(replicas=4, max_replicas=3), "must lie between"),
         (dict(cross_backend="mpi"), "choose one of auto, gloo, nccl"),
         (dict(batch_policy="whatever"), "choose one of constant_global, constant_local"),
-        (dict(scale_lr_with_replicas=True), "only applies to batch_policy='constant_local'"),
+        (dict(scale_lr_with_replicas=True), "only applies to `batch_policy`='constant_local'"),
         (dict(collective_timeout_s=0), "positive number of seconds"),
         (dict(fault="explode:step=3"), "unknown fault mode"),
         (dict(fault="sigkill:replica=1"), "needs a step"),
@@ -40,6 +41,31 @@ pytestmark = pytest.mark.timeout(60)
 def test_bad_config_names_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ElasticConfig(**kwargs)
+
+
+def test_a_config_error_names_its_field_in_each_front_ends_spelling():
+    with pytest.raises(ConfigError) as raised:
+        ElasticConfig(replicas=2, min_replicas=3, max_replicas=2)
+    assert raised.value.field == "min_replicas"
+    assert spell_fields(str(raised.value), cli_flag).startswith("--min-replicas (3) is larger than --max-replicas (2)")
+    assert spell_fields("`cross_backend`, `join_timeout_s` and `devices`", cli_flag) == (
+        "--backend, --join-timeout and `devices`")  # not a runtime field: left as written
+
+
+def test_monarch_run_takes_every_setting_with_its_docstring_and_default():
+    from monarch_plugin.cli import build_parser, config_from_args
+
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["x.py"])) == ElasticConfig()
+    text = " ".join(parser.format_help().split())
+    for name, doc in field_docs().items():
+        if name != "env":  # the workers' environment is the caller's own, as under torchrun
+            assert cli_flag(name) in text and " ".join(doc.split()[:4]) in text, name
+    ns = parser.parse_args(["--join-timeout", "12", "--backend", "gloo", "--batch-policy", "constant_local",
+                            "--scale-lr-with-replicas", "train.py", "--lr", "3"])
+    config = config_from_args(ns)
+    assert (config.join_timeout_s, config.cross_backend, config.scale_lr_with_replicas) == (12.0, "gloo", True)
+    assert (ns.target, ns.args) == ("train.py", ["--lr", "3"])
 
 
 def test_config_round_trips_through_the_worker_environment(monkeypatch):
@@ -161,8 +187,8 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--replicas", "2", "--min-replicas", "3", "x.py"], "lower min_replicas or raise max_replicas"),
-        (["--replicas", "0", "x.py"], "replicas must be a positive integer"),
+        (["--replicas", "2", "--min-replicas", "3", "x.py"], "lower --min-replicas or raise --max-replicas"),
+        (["--replicas", "0", "x.py"], "--replicas must be a positive integer"),
         (["--replicas", "2", "does_not_exist.py"], "training script 'does_not_exist.py' not found"),
         (["--replicas", "2", "-m", "no_such_module_here"], "module 'no_such_module_here' not found"),
         (["--replicas", "2", "--fault", "boom:step=1", "x.py"], "unknown fault mode"),

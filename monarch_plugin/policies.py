@@ -1,0 +1,63 @@
+"""The controller's decisions, as pure functions of what it knows: who trains next, whether to respawn, when to stop.
+
+`ElasticController` gathers the facts (who is alive, who is ready, how many replacements died early) and acts on
+these answers (publish a generation, schedule a spawn, give up with a checkpoint); nothing here touches a
+process, the store or the clock, so every policy is unit-tested as it is.
+"""
+
+from __future__ import annotations
+
+from monarch_plugin.config import ElasticConfig
+
+__all__ = ["MAX_BACKOFF_S", "admit", "below_min", "crash_loop", "next_members", "respawn_delay", "respawn_refused",
+           "respawn_wanted"]
+
+MAX_BACKOFF_S = 30.0
+"""The longest a replacement waits after replacements that died before joining."""
+
+
+def next_members(survivors: list[int], waiting: list[int], config: ElasticConfig) -> list[int]:
+    """The generation after a death: the survivors, then ready replicas (hot spares, replacements that finished
+    starting) in the order they became ready, up to `replicas`."""
+    return survivors + waiting[: max(config.replicas - len(survivors), 0)]
+
+
+def admit(members: list[int], waiting: list[int], config: ElasticConfig) -> list[int]:
+    """Ready replicas to grow the current generation with, up to `replicas`; the rest wait as hot spares."""
+    return waiting[: max(config.replicas - len(members), 0)]
+
+
+def below_min(survivors: int, config: ElasticConfig) -> str | None:
+    """Why the run must stop after a death, if the survivors are too few to keep training."""
+    if survivors >= config.min_replicas:
+        return None
+    return (f"{survivors} live replica(s) left, below `min_replicas` {config.min_replicas}: stopping (lower "
+            "`min_replicas` to keep training on fewer)")
+
+
+def crash_loop(early_deaths: int, config: ElasticConfig) -> str | None:
+    """Why the run must stop, if replacements keep dying before they join (`crash_loop_limit` 0: never)."""
+    if config.crash_loop_limit <= 0 or early_deaths < config.crash_loop_limit:
+        return None
+    return (f"{early_deaths} replacement replicas in a row died before joining: a crash loop, probably a bug in "
+            "the training code or the environment; see the worker logs")
+
+
+def respawn_wanted(live: int, scheduled: int, config: ElasticConfig) -> bool:
+    """Whether a replica is missing: fewer live and scheduled than `replicas` plus `spares`."""
+    return live + scheduled < config.replicas + config.spares
+
+
+def respawn_refused(restarts: int, scheduled: int, config: ElasticConfig) -> str | None:
+    """Why a missing replica may not be replaced: `max_restarts` replacements already spawned or scheduled."""
+    if restarts + scheduled < config.max_restarts:
+        return None
+    return f"`max_restarts` {config.max_restarts} used"
+
+
+def respawn_delay(early_deaths: int, config: ElasticConfig) -> float:
+    """Seconds before the next replacement: none after a death (the first replacement goes at once), doubling
+    from `restart_backoff_s` with each replacement in a row that died before joining, at most MAX_BACKOFF_S."""
+    if not early_deaths or config.restart_backoff_s <= 0:
+        return 0.0
+    return min(config.restart_backoff_s * 2 ** (early_deaths - 1), MAX_BACKOFF_S)

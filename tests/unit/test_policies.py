@@ -1,0 +1,41 @@
+"""The controller's policies, as the pure functions it calls: who trains next, respawns, when to stop."""
+
+from __future__ import annotations
+
+import pytest
+
+from monarch_plugin import policies
+from monarch_plugin.config import ElasticConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_after_a_death_survivors_then_ready_replicas_train_up_to_the_target_size():
+    config = ElasticConfig(replicas=3, spares=2)
+    assert policies.next_members([0, 2], [4, 5], config) == [0, 2, 4]  # one spare in; the other stays a spare
+    assert policies.next_members([0], [], config) == [0]
+    assert policies.admit([0, 2], [4, 5], config) == [4]
+    assert policies.admit([0, 1, 2], [4], config) == []  # full: a ready replacement waits as a hot spare
+
+
+def test_too_few_survivors_stop_the_run_naming_the_setting():
+    config = ElasticConfig(replicas=3, min_replicas=2)
+    assert policies.below_min(2, config) is None
+    assert "below `min_replicas` 2" in policies.below_min(1, config)
+
+
+def test_replacements_that_die_before_joining_back_off_then_stop_the_run():
+    config = ElasticConfig(restart_backoff_s=1.0, crash_loop_limit=3)
+    assert [policies.respawn_delay(n, config) for n in range(4)] == [0.0, 1.0, 2.0, 4.0]
+    assert policies.respawn_delay(20, config) == policies.MAX_BACKOFF_S
+    assert policies.respawn_delay(3, ElasticConfig(restart_backoff_s=0)) == 0.0
+    assert policies.crash_loop(2, config) is None and "crash loop" in policies.crash_loop(3, config)
+    assert policies.crash_loop(100, ElasticConfig(crash_loop_limit=0)) is None  # 0: never
+
+
+def test_a_replica_is_respawned_only_while_one_is_missing_and_restarts_are_left():
+    config = ElasticConfig(replicas=2, spares=1, max_restarts=2)
+    assert policies.respawn_wanted(live=2, scheduled=0, config=config)  # the spare is missing
+    assert not policies.respawn_wanted(live=2, scheduled=1, config=config)
+    assert policies.respawn_refused(restarts=1, scheduled=0, config=config) is None
+    assert policies.respawn_refused(restarts=1, scheduled=1, config=config) == "`max_restarts` 2 used"
