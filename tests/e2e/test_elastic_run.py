@@ -14,7 +14,7 @@ from conftest import WORKLOADS, alive
 
 pytestmark = pytest.mark.timeout(240)
 
-EPOCHS, SAMPLES, BATCH = 6, 512, 32
+EPOCHS, SAMPLES, BATCH = 10, 512, 32  # long enough after the kill at step 8 for the replacement to join
 STEPS = EPOCHS * SAMPLES // BATCH
 
 
