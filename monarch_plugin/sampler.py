@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ElasticSampler", "shard_bounds"]
+__all__ = ["ElasticSampler", "share", "shard_bounds", "weight"]
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -21,8 +21,23 @@ def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+def share(batch: list, rank: int, world: int) -> list:
+    """`rank`'s share of `batch` among `world`: a replica's part of a global micro-batch (`world` the live
+    replicas), or a proc's part of its replica's share (`world` the replica's procs)."""
+    start, end = shard_bounds(len(batch), rank, world)
+    return batch[start:end]
+
+
+def weight(window: list[list], rank: int, world: int) -> float:
+    """`rank`'s fraction of the samples of a step's window (its global micro-batches). Each replica scales its
+    gradients by its weight, so their sum over the live replicas is the mean over the step's global batch even
+    when the shares differ in size."""
+    total = sum(len(batch) for batch in window)
+    return sum(len(share(batch, rank, world)) for batch in window) / total
+
+
 class ElasticSampler:
-    """Global batches of sample indices over epochs, cut into per-replica shards on demand."""
+    """An epoch's samples as one permutation and a cursor; each step's window is read from the cursor."""
 
     def __init__(self, num_samples: int, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
         if num_samples < 1:
@@ -55,29 +70,36 @@ class ElasticSampler:
         if epoch != self.epoch:
             self.epoch, self.cursor, self._order = epoch, 0, None
 
-    def steps_per_epoch(self, global_batch_size: int) -> int:
-        full, rest = divmod(self.num_samples, global_batch_size)
+    def batches_per_epoch(self, batch_size: int) -> int:
+        """How many global (micro-)batches of `batch_size` an epoch holds, as a DataLoader would cut it."""
+        full, rest = divmod(self.num_samples, batch_size)
         return full if (self.drop_last or rest == 0) else full + 1
 
-    def global_batch(self, global_batch_size: int) -> list[int]:
-        """The indices the next step consumes, across all replicas."""
-        order = self._epoch_order()
-        return order[self.cursor : self.cursor + global_batch_size].tolist()
+    def micro_batches(self, size: int, start: int | None = None, limit: int | None = None):
+        """(position, indices) of the epoch's global micro-batches of `size`, from position `start` (default: the
+        cursor) on, as a DataLoader with this batch size and `drop_last` would cut them; at most `limit`."""
+        order, n = self._epoch_order(), self.num_samples
+        pos, count = self.cursor if start is None else start, 0
+        while pos < n and not (self.drop_last and n - pos < size) and (limit is None or count < limit):
+            yield pos, order[pos : pos + size].tolist()
+            pos += size
+            count += 1
 
-    def shard(self, global_batch_size: int, rank: int, world: int) -> list[int]:
-        """This replica's part of the next step's global batch."""
-        batch = self.global_batch(global_batch_size)
-        start, end = shard_bounds(len(batch), rank, world)
-        return batch[start:end]
+    def window(self, size: int, count: int = 1) -> list[list[int]]:
+        """The next step's window: its `count` global micro-batches of `size` from the cursor (fewer at the end
+        of the epoch), across all replicas. Cut it with `share`, weigh it with `weight`."""
+        return [batch for _, batch in self.micro_batches(size, limit=count)]
 
-    def advance(self, global_batch_size: int) -> None:
-        """Mark the next global batch consumed (called only when its step commits)."""
-        self.cursor += len(self.global_batch(global_batch_size))
-        remaining = self.num_samples - self.cursor
-        if remaining <= 0 or (self.drop_last and remaining < global_batch_size):
-            self.epoch += 1
-            self.cursor = 0
-            self._order = None
+    def advance(self, size: int, count: int = 1) -> None:
+        """Mark the next step's window of `count` micro-batches of `size` consumed (only when the step commits)."""
+        for _ in range(count):
+            self.cursor += len(self.window(size)[0])
+            remaining = self.num_samples - self.cursor
+            if remaining <= 0 or (self.drop_last and remaining < size):
+                self.epoch += 1
+                self.cursor = 0
+                self._order = None
+                return
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_samples": self.num_samples}

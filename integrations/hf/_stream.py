@@ -78,11 +78,11 @@ class ElasticStream:
     samples.
     """
 
-    def __init__(self, dataset, global_batch: int, micro_batches: int):
+    def __init__(self, dataset, micro_batch_size: int, micro_batches: int):
         self.dataset = dataset
-        self.global_batch = global_batch
+        self.micro_batch_size = micro_batch_size
         self.micro_batches = micro_batches
-        self.step_samples = global_batch * micro_batches
+        self.step_samples = micro_batch_size * micro_batches
         self.epoch = 0
         """Passes over the stream finished: HF's epoch."""
         self.cursor = 0
@@ -112,7 +112,7 @@ class ElasticStream:
                     if self.epoch == 0:
                         raise ValueError(
                             f"the streaming train_dataset yielded {len(window)} sample(s), fewer than one optimizer "
-                            f"step takes ({self.global_batch} x {self.micro_batches} = per_device_train_batch_size "
+                            f"step takes ({self.micro_batch_size} x {self.micro_batches} = per_device_train_batch_size "
                             "x --replicas x gradient_accumulation_steps): give it more samples or lower those"
                         )
                     return None
@@ -129,8 +129,8 @@ class ElasticStream:
 
     def positions(self, j: int) -> list[int]:
         """Positions of global micro-batch `j` of the step in flight."""
-        start = self.cursor + j * self.global_batch
-        return list(range(start, start + self.global_batch))
+        start = self.cursor + j * self.micro_batch_size
+        return list(range(start, start + self.micro_batch_size))
 
     def samples(self, positions: list[int]) -> list:
         window = self.window()

@@ -14,6 +14,11 @@ lives in local variables of `Trainer._inner_training_loop`. Three kinds of acces
   training log line also carries `elastic/replicas`), `save_model` ("will only save from the main process": the
   main process is rank 0 of the current generation) and `train` (records which checkpoint it resumes from, where
   a stream's position was saved).
+* **Public attributes set beyond the callback API**: the callback handler's list, so the join runs before every
+  other callback's `on_train_begin` (`put_first`); accelerate's DDP wrapper switched off (`switch_off_ddp`: it
+  spans one replica's single proc, and its end-of-backward write-back would overwrite the cross-replica
+  reduction); HF's `ProgressCallback.training_bar`, opened on a replica that becomes the main one mid-run
+  (`open_progress_bar`).
 * **Private, version-checked** (`CHECKED_ON`): `Trainer._run_epoch`, wrapped so that a replacement healed
   mid-run, or a streaming run resumed from a checkpoint (HF would skip `global_step x gradient_accumulation_steps`
   micro-batches of a fresh stream), enters the epoch loop where its peers are, through the loop's own
@@ -34,11 +39,13 @@ from collections.abc import Callable
 from typing import Any
 
 import transformers
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer
+from transformers.trainer_callback import ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 __all__ = ["CHECKED_ON", "attach_on_add_callback", "checkpoint_folder", "find_trainer", "install",
-           "move_loop_counters", "save_checkpoint"]
+           "move_loop_counters", "open_progress_bar", "put_first", "save_checkpoint", "switch_off_ddp"]
 
 CHECKED_ON = "5.24.0"
 
@@ -174,3 +181,25 @@ def save_checkpoint(trainer: Trainer) -> str:
     """Write the Trainer's own `checkpoint-<global_step>` (model, optimizer, scheduler, RNG, state); its path."""
     trainer._save_checkpoint(trainer.model_wrapped, trial=None)
     return checkpoint_folder(trainer)
+
+
+def put_first(trainer: Trainer, callback: Any) -> None:
+    """Make `callback` the first the handler calls. A new list: the handler may be iterating over the current one
+    (`add_callback` from inside an event)."""
+    handler = trainer.callback_handler
+    handler.callbacks = [callback, *handler.callbacks]
+
+
+def switch_off_ddp(trainer: Trainer) -> None:
+    """accelerate wraps the model in DDP over this replica's own world of one proc: nothing to reduce, and its
+    end-of-backward write-back would overwrite the cross-replica reduction."""
+    if isinstance(trainer.model_wrapped, DistributedDataParallel):
+        trainer.model_wrapped.require_backward_grad_sync = False
+        trainer.model_wrapped.require_forward_param_sync = False
+
+
+def open_progress_bar(trainer: Trainer) -> None:
+    """HF's progress bar exists only where `on_train_begin` saw the main process; open it on the new main one."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback) and callback.training_bar is None:
+            callback.on_train_begin(trainer.args, trainer.state, trainer.control)

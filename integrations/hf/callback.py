@@ -34,15 +34,14 @@ import os
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import TrainerCallback
-from transformers.trainer_callback import ExportableState, ProgressCallback, TrainerState
+from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.utils import logging
 
 from monarch_plugin.integrations.hf import _trainer_hooks
 from monarch_plugin.integrations.hf._stream import ElasticStream
-from monarch_plugin.sampler import ElasticSampler, shard_bounds
+from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
@@ -84,13 +83,13 @@ class MonarchElasticCallback(TrainerCallback):
         self._resume_from: str | None = None
         self._dataset: Any = None
         self._collate: Any = None
-        self._global_batch = 0
+        self._micro_batch_size = 0
+        """Samples in one global micro-batch: per_device_train_batch_size x the starting replicas."""
         self._accumulate = 1
         self._step = 0
         """Committed steps; `state.global_step` catches up right after each commit."""
         self._micro_batches = 0
         """Micro-batches in the step in flight (fewer than `gradient_accumulation_steps` at an epoch's end)."""
-        self._weight = 1.0
         self._armed = False
         self._no_sync: contextlib.AbstractContextManager | None = None
         self._substeps = 0
@@ -152,10 +151,8 @@ class MonarchElasticCallback(TrainerCallback):
         _check_arguments(trainer, ctx)
         self._ctx, self._trainer = ctx, trainer
         _trainer_hooks.install(trainer, self)
-        # Join before any other callback's on_train_begin, so they all see the healed state and who is main. A new
-        # list, because the handler is iterating over the current one.
-        handler = trainer.callback_handler
-        handler.callbacks = [_JoinFirst(self), *handler.callbacks]
+        # Join before any other callback's on_train_begin, so they all see the healed state and who is main.
+        _trainer_hooks.put_first(trainer, _JoinFirst(self))
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self._trainer is not None:
@@ -172,7 +169,7 @@ class MonarchElasticCallback(TrainerCallback):
         trainer, config = self._trainer, self._ctx.config
         args = trainer.args
         dataset = loader.dataset
-        self._global_batch = args.per_device_train_batch_size * config.replicas
+        self._micro_batch_size = args.per_device_train_batch_size * config.replicas
         self._accumulate = args.gradient_accumulation_steps
         if isinstance(dataset, IterableDataset):
             return self._build_stream_loader(loader)
@@ -182,11 +179,11 @@ class MonarchElasticCallback(TrainerCallback):
                 "Trainer a map-style train_dataset (with __len__ and __getitem__) or a torch IterableDataset"
             )
         n = len(dataset)
-        tail = n % self._global_batch
+        tail = n % self._micro_batch_size
         if tail and not args.dataloader_drop_last and tail < config.max_replicas:
             raise ValueError(
                 f"per_device_train_batch_size={args.per_device_train_batch_size} x {config.replicas} replica(s) is a "
-                f"global batch of {self._global_batch}; over {n} samples each epoch ends with a batch of {tail}, "
+                f"global batch of {self._micro_batch_size}; over {n} samples each epoch ends with a batch of {tail}, "
                 f"which cannot be split over up to {config.max_replicas} replicas: choose a batch size that divides "
                 "the dataset more evenly, or set TrainingArguments(dataloader_drop_last=True)"
             )
@@ -217,7 +214,7 @@ class MonarchElasticCallback(TrainerCallback):
                 "MonarchElasticCallback: every replica reads the whole stream in its training process, in one "
                 "order, to cut each global batch over the live replicas. Set dataloader_num_workers=0"
             )
-        self._stream = ElasticStream(loader.dataset, self._global_batch, self._accumulate)
+        self._stream = ElasticStream(loader.dataset, self._micro_batch_size, self._accumulate)
         self._collate = loader.collate_fn
         return DataLoader(_StreamShares(self), batch_size=None, collate_fn=_CollateShare(loader.collate_fn),
                           pin_memory=loader.pin_memory)
@@ -232,11 +229,7 @@ class MonarchElasticCallback(TrainerCallback):
             raise RuntimeError("the training DataLoader was not built by Trainer.get_train_dataloader: "
                                "MonarchElasticCallback needs it to shard data over the replicas")
         trainer = self._trainer
-        if isinstance(trainer.model_wrapped, DistributedDataParallel):
-            # accelerate wraps the model in DDP over this replica's own world of one proc: nothing to reduce, and
-            # its end-of-backward write-back would overwrite the cross-replica reduction.
-            trainer.model_wrapped.require_backward_grad_sync = False
-            trainer.model_wrapped.require_forward_param_sync = False
+        _trainer_hooks.switch_off_ddp(trainer)
         self._step = state.global_step  # > 0 when resuming from a checkpoint
         if self._stream is not None:
             if self._step:
@@ -250,7 +243,7 @@ class MonarchElasticCallback(TrainerCallback):
         # A replacement healed from a peer mid-run; or a stream resumed, whose position HF cannot work out from
         # global_step (it takes a stream for one epoch of max_steps).
         if self._step != resumed_at or (self._stream is not None and self._step):
-            self._position = (self._data.epoch, self._data.cursor // self._global_batch)
+            self._position = (self._data.epoch, self._data.cursor // self._micro_batch_size)
             _trainer_hooks.move_loop_counters(trainer, self._step)
 
     @property
@@ -275,10 +268,10 @@ class MonarchElasticCallback(TrainerCallback):
 
     def _cursor_at(self, step: int) -> dict:
         """The sampler state after `step` committed steps: HF's own resume position, as a global cursor."""
-        per_epoch = self._sampler.steps_per_epoch(self._global_batch)
+        per_epoch = self._sampler.batches_per_epoch(self._micro_batch_size)
         steps_per_epoch = max(-(-per_epoch // self._accumulate), 1)
         epoch, done = divmod(step, steps_per_epoch)
-        cursor = min(done * self._accumulate * self._global_batch, self._sampler.num_samples)
+        cursor = min(done * self._accumulate * self._micro_batch_size, self._sampler.num_samples)
         return {"epoch": epoch, "cursor": cursor, "seed": self._sampler.seed, "num_samples": self._sampler.num_samples}
 
     def _entry_position(self) -> tuple[int, int] | None:
@@ -300,10 +293,7 @@ class MonarchElasticCallback(TrainerCallback):
         promoted = self.is_main_replica and not state.is_world_process_zero
         state.is_world_process_zero = state.is_local_process_zero = self.is_main_replica
         if promote and promoted:
-            # The progress bar exists only where `on_train_begin` saw the main process; hand it over.
-            for callback in trainer.callback_handler.callbacks:
-                if isinstance(callback, ProgressCallback) and callback.training_bar is None:
-                    callback.on_train_begin(trainer.args, state, trainer.control)
+            _trainer_hooks.open_progress_bar(trainer)
 
     def _give_up(self, committed: int) -> str | None:
         """The controller gave up: the main replica writes HF's checkpoint of the last committed step."""
@@ -323,7 +313,7 @@ class MonarchElasticCallback(TrainerCallback):
         if self._stream is not None:
             self._micro_batches = self._accumulate  # a stream's passes are cut into whole steps
         else:
-            remaining = self._sampler.steps_per_epoch(self._global_batch) - self._sampler.cursor // self._global_batch
+            remaining = self._sampler.batches_per_epoch(self._micro_batch_size) - self._sampler.cursor // self._micro_batch_size
             self._micro_batches = min(self._accumulate, remaining)
         self._substeps = 0
         # DataLoader workers cut shares ahead of time; a share cut for an older generation is recomputed at commit.
@@ -333,8 +323,7 @@ class MonarchElasticCallback(TrainerCallback):
             self._arm()
 
     def _arm(self) -> None:
-        self._weight = self._window_weight()
-        self._tx.arm(self._weight)
+        self._tx.arm(weight(self._window(), self._tx.rank, self._tx.world))
         if self._micro_batches > 1:
             self._no_sync = self._tx.reducer.no_sync()
             self._no_sync.__enter__()
@@ -385,8 +374,7 @@ class MonarchElasticCallback(TrainerCallback):
         if self._stream is not None:
             self._stream.commit()
         else:
-            for _ in range(self._micro_batches):
-                self._sampler.advance(self._global_batch)
+            self._sampler.advance(self._micro_batch_size, self._micro_batches)
         done = (self._data.epoch, self._data.cursor)
         self._issued = {k: v for k, v in self._issued.items() if k >= done}
         self._step += 1
@@ -409,27 +397,19 @@ class MonarchElasticCallback(TrainerCallback):
     # -- data of the step in flight ---------------------------------------------------------------------------
 
     def _key(self, j: int) -> tuple[int, int]:
-        return self._data.epoch, self._data.cursor + j * self._global_batch
+        return self._data.epoch, self._data.cursor + j * self._micro_batch_size
 
-    def _micro_batch(self, j: int) -> list[int]:
-        """Global micro-batch `j` of the step in flight: dataset indices, or a stream's positions in its pass."""
+    def _window(self) -> list[list[int]]:
+        """The global micro-batches of the step in flight: dataset indices, or a stream's positions in its pass."""
         if self._stream is not None:
-            return self._stream.positions(j)
-        start = self._sampler.cursor + j * self._global_batch
-        return self._sampler._epoch_order()[start : start + self._global_batch].tolist()
+            return [self._stream.positions(j) for j in range(self._micro_batches)]
+        return self._sampler.window(self._micro_batch_size, self._micro_batches)
 
     def _samples(self, ids: list[int]) -> list:
         return self._stream.samples(ids) if self._stream is not None else [self._dataset[i] for i in ids]
 
     def _share(self, j: int) -> list[int]:
-        batch = self._micro_batch(j)
-        start, end = shard_bounds(len(batch), self._tx.rank, self._tx.world)
-        return batch[start:end]
-
-    def _window_weight(self) -> float:
-        """This replica's fraction of the step's samples, so the sum over replicas is the global-batch mean."""
-        mine = sum(len(self._share(j)) for j in range(self._micro_batches))
-        return mine / sum(len(self._micro_batch(j)) for j in range(self._micro_batches))
+        return share(self._window()[j], self._tx.rank, self._tx.world)
 
     # -- between steps ----------------------------------------------------------------------------------------
 
@@ -484,18 +464,16 @@ class _ElasticBatchSampler:
         self.owner = owner
 
     def __len__(self) -> int:
-        return self.owner._sampler.steps_per_epoch(self.owner._global_batch)
+        return self.owner._sampler.batches_per_epoch(self.owner._micro_batch_size)
 
     def __iter__(self):
         owner = self.owner
-        sampler, size = owner._sampler, owner._global_batch
-        epoch, order = sampler.epoch, sampler._epoch_order()
-        for k in range(len(self)):
-            batch = order[k * size : (k + 1) * size].tolist()
-            tx = owner._tx
-            start, end = shard_bounds(len(batch), tx.rank, tx.world)
-            owner._issued[(epoch, k * size)] = (tx.gen, batch[start:end])
-            yield batch[start:end]
+        sampler, tx = owner._sampler, owner._tx
+        epoch = sampler.epoch
+        for pos, batch in sampler.micro_batches(owner._micro_batch_size, start=0):
+            mine = share(batch, tx.rank, tx.world)  # the generation of the moment: it may change between batches
+            owner._issued[(epoch, pos)] = (tx.gen, mine)
+            yield mine
 
 
 _SKIPPED = object()
@@ -516,7 +494,7 @@ class _StreamShares(IterableDataset):
     def __iter__(self):
         owner, stream = self.owner, self.owner._stream
         epoch = stream.epoch
-        yield from [_SKIPPED] * (stream.cursor // stream.global_batch)
+        yield from [_SKIPPED] * (stream.cursor // stream.micro_batch_size)
         step, j = None, 0  # (epoch, cursor) of the step whose micro-batch j is next
         while stream.window() is not None and stream.epoch == epoch:
             if (stream.epoch, stream.cursor) != step:

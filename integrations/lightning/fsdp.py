@@ -19,12 +19,12 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from monarch_plugin.config import ElasticConfig
+import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
 from monarch_plugin.integrations.lightning.strategy import MonarchStrategy
 
 __all__ = ["MonarchFSDPStrategy"]
@@ -146,9 +146,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
 
         if self.device_mesh is None:
             return super().optimizer_state(optimizer)
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return get_optimizer_state_dict(self.lightning_module, optimizer,
+        return get_optimizer_state_dict(self.lightning_module, _hooks.unwrap_optimizer(optimizer),
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     @property

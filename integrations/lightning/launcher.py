@@ -18,32 +18,68 @@ finishes; none is respawned (a replacement would only start the stage over).
 from __future__ import annotations
 
 import io
-from typing import Any, Callable
+import textwrap
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import cloudpickle
 import torch
 from lightning.fabric.utilities import move_data_to_device
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from monarch_plugin.checksum import state_checksum
-from monarch_plugin.config import spell_fields
+from monarch_plugin.config import field_docs, spell_fields
 from monarch_plugin.controller import ElasticController
 from monarch_plugin.errors import ConfigError, ElasticRunAborted
+from monarch_plugin.integrations.lightning._lightning_hooks import Launcher
 from monarch_plugin.report import run_summary
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context as _context
 
 
+ARGUMENTS = {
+    "min_replicas": "min_replicas", "max_replicas": "max_replicas", "backend": "cross_backend",
+    "join_timeout_s": "join_timeout_s", "collective_timeout_s": "collective_timeout_s", "fault": "fault",
+    "events_path": "events_path", "checkpoint_dir": "checkpoint_dir", "max_restarts": "max_restarts",
+    "spares": "spares",
+}
+"""The Lightning strategies' keyword arguments, each the `ElasticConfig` field it sets: the same name, but for
+`backend`, which is both the replica's own backend and the cross-replica one. `replicas` and `procs_per_replica`
+come from Lightning's own `devices` (and `MonarchFSDPStrategy(procs_per_replica=...)`)."""
+
+_FIELD_ARGUMENT = {field: name for name, field in ARGUMENTS.items()}
+
+_LIGHTNING_DOCS = {
+    "max_replicas": "Most replicas ever live at once. None means the replicas `devices` starts.",
+    "cross_backend": 'torch.distributed backend within and across replicas: "auto" (nccl on CUDA and ROCm builds, '
+                     'where it is RCCL; gloo on CPU), "gloo" or "nccl".',
+    "events_path": "JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up). "
+                   "None: `$MONARCH_PLUGIN_EVENTS` or `monarch_events.jsonl` in the Trainer's `default_root_dir` "
+                   "(`monarch_events-<stage>.jsonl` for validate, test and predict).",
+}
+"""Where a strategy argument means more than its field: Lightning's `devices` and `default_root_dir` fill it in."""
+
+
 def argument(field: str) -> str:
-    """A runtime setting as the Lightning strategies spell it: their keyword argument (`backend` is both layers')."""
-    return "`backend`" if field == "cross_backend" else f"`{field}`"
+    """A runtime setting as the Lightning strategies spell it: their keyword argument."""
+    return f"`{_FIELD_ARGUMENT.get(field, field)}`"
 
 
-class _MonarchLauncher(_Launcher):
+def arguments_doc() -> str:
+    """The "Args:" section of the strategies' docstrings, from `ElasticConfig`'s field docstrings."""
+    docs = field_docs()
+    lines = ["", "", "    Args:"]
+    for name, field in ARGUMENTS.items():
+        text = _LIGHTNING_DOCS.get(field) or spell_fields(docs[field].replace("``", "`"), argument)
+        lines += textwrap.wrap(f"{name}: {text}", 116, initial_indent=" " * 8, subsequent_indent=" " * 12,
+                               break_on_hyphens=False)
+    return "\n".join(lines) + "\n"
+
+
+class _MonarchLauncher(Launcher):
     def __init__(self, strategy) -> None:
         self._strategy = strategy
 
@@ -100,36 +136,63 @@ class _MonarchLauncher(_Launcher):
             raise ElasticRunAborted(spell_fields(str(e), argument), e.checkpoint) from e
         for line in run_summary(result):
             rank_zero_info(f"monarch: {line}")
-        outputs = sorted((v[0] for v in result.values.values() if v and v[0]), key=lambda o: o["rank"])
+        outputs: list[_StageOutput] = sorted((v[0] for v in result.values.values() if v and v[0]),
+                                             key=lambda o: o.rank)
         if not fitting:  # any replica's result is the stage's: each one evaluated every sample
             self._recover_stage_results(outputs[0], trainer)
-            return outputs[0]["results"]
-        self._strategy.replica_checksums = {o["replica"]: o["checksum"] for o in outputs}
+            return outputs[0].results
+        self._strategy.replica_checksums = {o.replica: o.checksum for o in outputs}
         if len(set(self._strategy.replica_checksums.values())) != 1:
             raise RuntimeError(
                 f"replicas finished with different weights {self._strategy.replica_checksums}: a bug in "
                 f"monarch-plugin; please report it with the events file {result.events_path}"
             )
         self._recover_results_in_main_process(outputs[0], trainer)
-        return outputs[0]["results"]
+        return outputs[0].results
 
-    def _recover_results_in_main_process(self, output: dict, trainer) -> None:
-        trainer.lightning_module.load_state_dict(output["weights"])
-        trainer.fit_loop.load_state_dict(output["fit_loop"])
+    def _recover_results_in_main_process(self, output: _FitOutput, trainer) -> None:
+        trainer.lightning_module.load_state_dict(output.weights)
+        trainer.fit_loop.load_state_dict(output.fit_loop)
         trainer.fit_loop.restarting = False
         self._recover_stage_results(output, trainer)
         if trainer.checkpoint_callback is not None and hasattr(trainer.checkpoint_callback, "best_model_path"):
-            trainer.checkpoint_callback.best_model_path = output["best_model_path"] or ""
+            trainer.checkpoint_callback.best_model_path = output.best_model_path or ""
 
     @staticmethod
-    def _recover_stage_results(output: dict, trainer) -> None:
+    def _recover_stage_results(output: _StageOutput, trainer) -> None:
         """What every stage hands back, as ddp_spawn does: the trainer's state and its callback metrics."""
-        trainer.state = output["trainer_state"]
-        trainer.callback_metrics.update(torch.load(io.BytesIO(output["callback_metrics"]), weights_only=True))
+        trainer.state = output.trainer_state
+        trainer.callback_metrics.update(torch.load(io.BytesIO(output.callback_metrics), weights_only=True))
 
     @override
     def kill(self, signum) -> None:
         """The controller owns the replicas' lifetime; interrupting `fit` stops it, and it stops them."""
+
+
+@dataclass(kw_only=True)
+class _StageOutput:
+    """What a replica's first proc sends back after `validate`, `test` or `predict` (ddp_spawn's `_WorkerOutput`)."""
+
+    rank: int
+    """The replica's rank in the last generation; the lowest rank's output is the stage's."""
+    trainer_state: TrainerState
+    callback_metrics: bytes
+    """`trainer.callback_metrics` on the CPU, `torch.save`d (tensors only, so the controller loads it safely)."""
+    results: Any
+    """What the Trainer's stage method returned."""
+
+
+@dataclass(kw_only=True)
+class _FitOutput(_StageOutput):
+    """After `fit`: also what the controller's module and loop take over, and the checksum every replica agrees on."""
+
+    replica: int
+    checksum: str
+    """The weights' checksum: the launcher checks that every replica finished with the same weights."""
+    weights: Optional[dict]
+    """The trained state dict, from the generation's rank 0 only (the others send their checksum)."""
+    fit_loop: dict
+    best_model_path: Optional[str]
 
 
 class _StageInReplica:
@@ -142,7 +205,7 @@ class _StageInReplica:
         model = self.args[0] if self.args else self.kwargs.get("model")
         return f"Trainer.{self.method.lstrip('_')}({type(model).__name__})"
 
-    def __call__(self) -> dict:
+    def __call__(self) -> Optional[_StageOutput]:
         trainer = self.trainer
         results = getattr(trainer, self.method)(*self.args, **self.kwargs)
         strategy = trainer.strategy
@@ -152,21 +215,16 @@ class _StageInReplica:
         if trainer.state.fn != TrainerFn.FITTING:
             if strategy.global_rank != 0:
                 return None
-            return {"rank": strategy._elastic_rank(), "trainer_state": trainer.state,
-                    "callback_metrics": buffer.getvalue(), "results": move_data_to_device(results, "cpu")}
+            return _StageOutput(rank=strategy._elastic_rank(), trainer_state=trainer.state,
+                                callback_metrics=buffer.getvalue(), results=move_data_to_device(results, "cpu"))
         rank = strategy._tx.rank
         weights = move_data_to_device(strategy.full_state_dict(), "cpu")  # on every proc: FSDP gathers
         if strategy.global_rank != 0:
             return None  # the replica's first proc speaks for it
-        return {
-            "replica": _context.current().replica_id,
-            "rank": rank,
-            "checksum": state_checksum(weights),
-            "global_step": trainer.global_step,
-            "weights": weights if rank == 0 else None,
-            "trainer_state": trainer.state,
-            "fit_loop": trainer.fit_loop.state_dict(),
-            "callback_metrics": buffer.getvalue(),
-            "best_model_path": getattr(trainer.checkpoint_callback, "best_model_path", None),
-            "results": results,
-        }
+        return _FitOutput(
+            rank=rank, trainer_state=trainer.state, callback_metrics=buffer.getvalue(), results=results,
+            replica=_context.current().replica_id, checksum=state_checksum(weights),
+            weights=weights if rank == 0 else None,
+            fit_loop=trainer.fit_loop.state_dict(),
+            best_model_path=getattr(trainer.checkpoint_callback, "best_model_path", None),
+        )

@@ -28,15 +28,9 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -46,8 +40,9 @@ from typing_extensions import override
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig, spell_fields
 from monarch_plugin.errors import ConfigError
-from monarch_plugin.integrations.lightning.launcher import argument
-from monarch_plugin.sampler import ElasticSampler, shard_bounds
+import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
+from monarch_plugin.integrations.lightning.launcher import ARGUMENTS, argument, arguments_doc
+from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
@@ -55,20 +50,7 @@ __all__ = ["MonarchStrategy"]
 
 
 class MonarchStrategy(ParallelStrategy):
-    """Elastic data parallel: `Trainer(devices=N)` replicas, each one Monarch proc mesh; survives SIGKILLed workers.
-
-    Args:
-        min_replicas: fewest live replicas that may keep training; below it the run stops with a checkpoint.
-        max_replicas: most replicas live at once (default: ``devices``).
-        backend: "auto" (NCCL on CUDA, RCCL on ROCm, gloo on CPU), "nccl" or "gloo"; within and across replicas.
-        join_timeout_s: how long a (re)spawned replica may take to become ready.
-        collective_timeout_s: a reduction slower than this is treated as a hang and its culprit replaced.
-        fault: opt-in fault injection, e.g. ``"sigkill:replica=1:step=20"`` (see ``monarch_plugin.faults``).
-        events_path: JSON-lines file of spawns, deaths, generations, dropped steps and heals.
-        checkpoint_dir: where one Lightning checkpoint is written if the run gives up.
-        max_restarts: replacements spawned over the whole run.
-        spares: hot spare replicas: they start `fit`, wait ready, and take a dead replica's place at once.
-    """
+    """Elastic data parallel: `Trainer(devices=N)` replicas, each one Monarch proc mesh; survives SIGKILLed workers."""
 
     strategy_name = "monarch"
     procs_per_replica = 1
@@ -109,7 +91,8 @@ class MonarchStrategy(ParallelStrategy):
         self._pending_sampler_state: Optional[dict] = None
         self._pending_logger_step: Optional[int] = None
         self._batches: Optional[_ElasticBatchSampler] = None
-        self._global_batch = 0
+        self._micro_batch_size = 0
+        """Samples in one global micro-batch: the DataLoader's batch_size x every proc of the starting replicas."""
         self._micro = 0
         """Index in its window of the micro-batch `training_step` runs next, which between micro-batches and while
         a step is being reduced is the number of the window's micro-batches Lightning counts as completed."""
@@ -147,16 +130,12 @@ class MonarchStrategy(ParallelStrategy):
         if events and not fitting:
             base, ext = os.path.splitext(events)
             events = f"{base}-{stage}{ext}"
+        settings = {field: getattr(self, name) for name, field in ARGUMENTS.items()}
+        if not fitting:
+            settings.update(min_replicas=1, fault=None, max_restarts=0, spares=0)
+        settings.update(replicas=self.replicas, procs_per_replica=self.procs_per_replica, events_path=events)
         try:
-            return ElasticConfig(
-                replicas=self.replicas, min_replicas=self.min_replicas if fitting else 1,
-                max_replicas=self.max_replicas, cross_backend=self.backend,
-                join_timeout_s=self.join_timeout_s, collective_timeout_s=self.collective_timeout_s,
-                fault=self.fault if fitting else None,
-                events_path=events, checkpoint_dir=self.checkpoint_dir,
-                max_restarts=self.max_restarts if fitting else 0, spares=self.spares if fitting else 0,
-                procs_per_replica=self.procs_per_replica,
-            )
+            return ElasticConfig(**settings)
         except ConfigError as e:
             raise MisconfigurationException(f"MonarchStrategy: {spell_fields(str(e), argument)}") from e
 
@@ -171,6 +150,7 @@ class MonarchStrategy(ParallelStrategy):
             raise MisconfigurationException(
                 "MonarchStrategy spawns its replicas from this process on this host: drop Trainer(num_nodes=...)"
             )
+        _hooks.check_version()
         self.elastic_config()
         from monarch_plugin.integrations.lightning.launcher import _MonarchLauncher
 
@@ -234,7 +214,7 @@ class MonarchStrategy(ParallelStrategy):
         super().setup_environment()
         # Within the replica: NCCL on GPUs (RCCL on ROCm builds), gloo on CPUs, unless `backend` says otherwise.
         intra = resolve_backend(self.backend)
-        _init_dist_connection(self.cluster_environment, intra)
+        _hooks.init_replica_group(self.cluster_environment, intra)
 
     @override
     def setup(self, trainer) -> None:
@@ -262,18 +242,18 @@ class MonarchStrategy(ParallelStrategy):
     def reduce(self, tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean"):
         """Within this replica only: metrics logged with sync_dist=True are not reduced across replicas."""
         if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _hooks.reduce_in_replica(tensor, group, reduce_op)
         return tensor
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
         """Within this replica only: replicas come and go, so a cross-replica barrier could wait on the dead."""
-        if _distributed_is_initialized():
+        if _hooks.distributed_is_initialized():
             torch.distributed.barrier()
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not _hooks.distributed_is_initialized():
             return obj
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src)
@@ -297,14 +277,14 @@ class MonarchStrategy(ParallelStrategy):
             )
         config = self._ctx.config
         k = config.procs_per_replica
-        self._global_batch = dataloader.batch_size * config.replicas * k
+        self._micro_batch_size = dataloader.batch_size * config.replicas * k
         n = len(dataloader.dataset)
-        tail = n % self._global_batch
+        tail = n % self._micro_batch_size
         procs = config.max_replicas * k
         short_tail = tail and not dataloader.drop_last and tail < procs
-        if self._global_batch < procs or short_tail:
+        if self._micro_batch_size < procs or short_tail:
             raise MisconfigurationException(
-                f"a global batch of {self._global_batch} (batch_size {dataloader.batch_size} x "
+                f"a global batch of {self._micro_batch_size} (batch_size {dataloader.batch_size} x "
                 f"{config.replicas * k} devices) over {n} samples leaves some of up to {procs} devices without a "
                 "sample in a step: raise batch_size, or pass drop_last=True to the training DataLoader"
             )
@@ -337,29 +317,16 @@ class MonarchStrategy(ParallelStrategy):
         the epoch's last of `num_training_batches` (which `limit_train_batches` and `overfit_batches` cut short of
         the data), so a window never crosses the end of the epoch Lightning plans.
         """
-        done = self._sampler.cursor // self._global_batch  # the epoch's batches trained by committed steps
+        done = self._sampler.cursor // self._micro_batch_size  # the epoch's batches trained by committed steps
         left = self.lightning_module.trainer.num_training_batches - done
-        size = min(self._accumulate - done % self._accumulate, left)
-        return [batch for _, batch in _micro_batches(self._sampler, self._global_batch, size)]
-
-    def _replica_share(self, batch: list[int]) -> list[int]:
-        start, end = shard_bounds(len(batch), self._tx.rank, self._tx.world)
-        return batch[start:end]
+        return self._sampler.window(self._micro_batch_size, min(self._accumulate - done % self._accumulate, left))
 
     def _cut(self, batch: list[int]) -> list[int]:
         """This proc's samples of a global micro-batch: its replica's share, split over the replica's procs."""
-        share = self._replica_share(batch)
-        start, end = shard_bounds(len(share), self._ctx.local_rank, self._ctx.procs_per_replica)
-        return share[start:end]
+        return share(share(batch, self._tx.rank, self._tx.world), self._ctx.local_rank, self._ctx.procs_per_replica)
 
     def _share(self, micro: int) -> list[int]:
         return self._cut(self._window()[micro])
-
-    def _weight(self) -> float:
-        """This replica's fraction of the step's samples, so the sum over replicas is the global-batch mean."""
-        window = self._window()
-        mine = sum(len(self._replica_share(batch)) for batch in window)
-        return mine / sum(len(batch) for batch in window)
 
     # -- the step transaction ------------------------------------------------------------------------------
 
@@ -390,7 +357,7 @@ class MonarchStrategy(ParallelStrategy):
         averages its procs' gradients; weight each loss by its share so uneven splits still average right."""
         if self._tx is not None and self._sampler is not None and self._ctx.procs_per_replica > 1:
             micro = self._micro - 1  # training_step has moved on to the next micro-batch
-            replica_share = self._replica_share(self._window()[micro])
+            replica_share = share(self._window()[micro], self._tx.rank, self._tx.world)
             closure_loss = closure_loss * (
                 self._ctx.procs_per_replica * len(self._share(micro)) / len(replica_share)
             )
@@ -422,7 +389,7 @@ class MonarchStrategy(ParallelStrategy):
         if self._pending_logger_step is not None:
             # A healed newcomer: Lightning adds one to the logging step when it restores loop progress saved
             # after a batch, but a heal is taken before one.
-            self.lightning_module.trainer.fit_loop.epoch_loop._batches_that_stepped = self._pending_logger_step
+            _hooks.set_logger_step(self.lightning_module.trainer, self._pending_logger_step)
             self._pending_logger_step = None
         self._tx.begin(self._step)
         self._window_gen = self._tx.gen
@@ -444,7 +411,7 @@ class MonarchStrategy(ParallelStrategy):
                 return loss
             if self._window_gen != self._tx.gen:
                 self._redo_window(optimizer, closure, last)
-            self._tx.arm(self._weight())  # backward starts reducing as gradients arrive
+            self._tx.arm(weight(self._window(), self._tx.rank, self._tx.world))  # backward starts reducing as gradients arrive
             loss = closure()
             self._micro = last  # Lightning completes that micro-batch only after the step: it stays in flight
             if self._tx.reduce(self._step, [], lambda: optimizer.zero_grad(set_to_none=True)) is not None:
@@ -452,8 +419,7 @@ class MonarchStrategy(ParallelStrategy):
             self._window_gen = -1  # its gradients are gone: redo the whole window
         micro_batches = len(self._window())
         output = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
-        for _ in range(micro_batches):
-            self._sampler.advance(self._global_batch)
+        self._sampler.advance(self._micro_batch_size, micro_batches)
         self._tx.committed(self._step)
         self._step += 1
         self._micro, self._window_gen = 0, None
@@ -526,6 +492,9 @@ class MonarchStrategy(ParallelStrategy):
         return self.lightning_module.state_dict()
 
 
+MonarchStrategy.__doc__ += arguments_doc()
+
+
 class _HealState:
     """What a newcomer (or a replica that dropped a step its peers committed) receives from a live peer.
 
@@ -555,8 +524,8 @@ class _HealState:
             "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "sampler": s._sampler.state_dict() if s._sampler is not None else None,
             "fit_loop": s._fit_loop_state() if s._fit_loop_started else None,
-            "logger_step": trainer.fit_loop.epoch_loop._batches_that_stepped,
-            "callbacks": call._call_callbacks_state_dict(trainer),
+            "logger_step": _hooks.logger_step(trainer),
+            "callbacks": _hooks.callbacks_state(trainer),
             "rng": rng_state(s._tx.device),
         }
 
@@ -577,7 +546,7 @@ class _HealState:
             if state["fit_loop"] is not None:
                 trainer.fit_loop.load_state_dict(state["fit_loop"])
                 s._pending_logger_step = state["logger_step"]
-            call._call_callbacks_load_state_dict(trainer, state)
+            _hooks.load_callbacks_state(trainer, state)
             set_rng_state(state["rng"], s._tx.device)
         if state["sampler"] is not None:
             if s._sampler is not None:
@@ -604,14 +573,14 @@ class _ElasticBatchSampler:
         self.issued: deque[tuple[tuple[int, int], list[int]]] = deque()
 
     def __len__(self) -> int:
-        return self.sampler.steps_per_epoch(self.strategy._global_batch)
+        return self.sampler.batches_per_epoch(self.strategy._micro_batch_size)
 
     def __iter__(self):
         sampler, strategy = self.sampler, self.strategy
         epoch = sampler.epoch
-        for pos, batch in _micro_batches(sampler, strategy._global_batch):
-            micro = (pos // strategy._global_batch) % strategy._accumulate
-            window_start = pos - micro * strategy._global_batch
+        for pos, batch in sampler.micro_batches(strategy._micro_batch_size):
+            micro = (pos // strategy._micro_batch_size) % strategy._accumulate
+            window_start = pos - micro * strategy._micro_batch_size
             share = strategy._cut(batch)
             self.issued.append(((epoch, window_start, micro), share))
             yield share
@@ -625,17 +594,6 @@ class _ElasticBatchSampler:
         if self.issued and self.issued[0][0] == key and self.issued[0][1] == wanted:
             return batch
         return s.batch_to_device(self.collate_fn([self.dataset[i] for i in wanted]))
-
-
-def _micro_batches(sampler: ElasticSampler, size: int, limit: Optional[int] = None):
-    """(position, indices) of the epoch's global micro-batches from the cursor on, as a DataLoader with this
-    batch_size and drop_last would cut them; at most `limit` of them."""
-    order, n = sampler._epoch_order(), sampler.num_samples
-    pos, count = sampler.cursor, 0
-    while pos < n and not (sampler.drop_last and n - pos < size) and (limit is None or count < limit):
-        yield pos, order[pos : pos + size].tolist()
-        pos += size
-        count += 1
 
 
 class _ElasticDataLoader(DataLoader):

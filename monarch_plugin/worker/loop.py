@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.sampler import ElasticSampler, shard_bounds
+from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
@@ -155,16 +155,16 @@ class ElasticLoop:
                 break
             if tx:
                 tx.begin(self.step)
-            size = self._step_batch_size()
+            batch = self.sampler.window(self._step_batch_size())[0]
             lanes = self.ctx.procs_per_replica if self.ctx else 1
             lane = self.ctx.local_rank if self.ctx else 0
             step = Step(
                 number=self.step, epoch=self.sampler.epoch,
-                indices=self.sampler.shard(size, self.rank * lanes + lane, self.num_replicas * lanes),
+                indices=share(batch, self.rank * lanes + lane, self.num_replicas * lanes),
                 rank=self.rank, num_replicas=self.num_replicas,
                 generation=tx.gen if tx else 0, _loop=self,
             )
-            step.weight = self._weight(step)
+            step.weight = self._weight(batch, lanes)
             if tx:
                 tx.arm(step.weight)
             yield step
@@ -199,16 +199,14 @@ class ElasticLoop:
             self.tx.committed(step.number)
         return True
 
-    def _weight(self, step: Step) -> float:
-        """This replica's factor in the sum over replicas, so that the sum is the global-batch mean."""
+    def _weight(self, batch: list[int], lanes: int) -> float:
+        """This replica's factor in the sum over replicas, so that the sum is the global-batch mean. The batch is
+        cut over every replica's lanes; the replica's weight is its lanes' together (inside a replica, FSDP/DDP
+        already average over procs)."""
         if self.config.batch_policy != "constant_global":
             return 1.0 / self.num_replicas
-        global_n = len(self.sampler.global_batch(self._step_batch_size()))
-        # The replica's share (all its procs): inside a replica, FSDP/DDP already average over procs.
-        lanes = self.ctx.procs_per_replica if self.ctx else 1
-        start = shard_bounds(global_n, self.rank * lanes, self.num_replicas * lanes)[0]
-        end = shard_bounds(global_n, self.rank * lanes + lanes - 1, self.num_replicas * lanes)[1]
-        return (end - start) / global_n
+        world = self.num_replicas * lanes
+        return sum(weight([batch], self.rank * lanes + lane, world) for lane in range(lanes))
 
     def _apply_lr_policy(self) -> None:
         if not self.config.scale_lr_with_replicas:

@@ -16,7 +16,7 @@ from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import cli_flag, field_docs, spell_fields
 from monarch_plugin.devices import plan_gpus
 from monarch_plugin.errors import BackendUnavailableError
-from monarch_plugin.sampler import shard_bounds
+from monarch_plugin.sampler import share, shard_bounds, weight
 from monarch_plugin.faults import parse_faults
 from monarch_plugin.worker.heal import ASSUMED_BYTES_PER_S, HEAL_FLOOR_S, heal_bound_s, plan_heal
 
@@ -152,10 +152,23 @@ def test_sampler_never_skips_or_repeats_across_resizes():
     for world in worlds:
         if sampler.epoch:
             break
+        (batch,) = sampler.window(16)
         for rank in range(world):
-            seen += sampler.shard(16, rank, world)
+            seen += share(batch, rank, world)
+        assert sum(weight([batch], rank, world) for rank in range(world)) == pytest.approx(1.0)
         sampler.advance(16)
     assert sorted(seen) == list(range(100))
+
+
+def test_a_window_of_micro_batches_stops_at_the_epoch_end_and_commits_whole():
+    sampler = ElasticSampler(10, shuffle=False, drop_last=True)
+    assert sampler.batches_per_epoch(3) == 3
+    assert sampler.window(3, 2) == [[0, 1, 2], [3, 4, 5]]
+    sampler.advance(3, 2)
+    assert sampler.window(3, 2) == [[6, 7, 8]]  # the epoch's last whole micro-batch; sample 9 is dropped
+    assert weight(sampler.window(3, 2), 0, 2) == pytest.approx(2 / 3)
+    sampler.advance(3, 2)
+    assert (sampler.epoch, sampler.cursor) == (1, 0)
 
 
 def test_sampler_state_moves_the_cursor():
@@ -164,7 +177,7 @@ def test_sampler_state_moves_the_cursor():
     a.advance(8)
     b = ElasticSampler(50, seed=1)
     b.load_state_dict(a.state_dict())
-    assert b.global_batch(8) == a.global_batch(8)
+    assert b.window(8, 2) == a.window(8, 2)
     with pytest.raises(ValueError, match="same dataset"):
         ElasticSampler(49).load_state_dict(a.state_dict())
 
