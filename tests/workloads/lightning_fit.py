@@ -32,6 +32,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from _regrow import wait_for_announced_grow
+
 from monarch_plugin import worker_context
 from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy
 from monarch_plugin import weights_checksum
@@ -93,9 +95,8 @@ class Model(pl.LightningModule):
         tx = getattr(self.trainer.strategy, "_tx", None)
         if self.hold_from < 0 or tx is None or self.trainer.global_step < self.hold_from:
             return
-        flags = tx.ctx.flags
-        while tx.world < self.replicas and flags.regroup_gen <= tx.gen and not flags.stop:
-            time.sleep(0.02)
+        if tx.world < self.replicas:
+            wait_for_announced_grow(tx)
 
     def on_fit_start(self):
         if worker_context() is None and self.trainer.world_size > 1:  # ddp_spawn's ranks, for the harness to reap

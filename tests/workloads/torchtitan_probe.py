@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 from dataclasses import dataclass, field, fields
 
 import torch
+from _regrow import wait_for_announced_grow
 
 from monarch_plugin.integrations.torchtitan import MonarchTrainer
 from monarch_plugin.integrations.torchtitan.config_registry import llama3_debugmodel_elastic
@@ -48,9 +48,7 @@ class ProbeTrainer(MonarchTrainer):
         if self.config.probe.shrunk_steps < 0 or tx is None or tx.world >= wanted:
             return
         if self._shrunk_steps() >= self.config.probe.shrunk_steps:
-            flags = tx.ctx.flags
-            while flags.regroup_gen <= tx.gen and not flags.stop:
-                time.sleep(0.02)
+            wait_for_announced_grow(tx)
 
     def _shrunk_steps(self) -> int:
         if not os.path.exists(self._path("steps", "jsonl")):
