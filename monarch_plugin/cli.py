@@ -2,6 +2,7 @@
 
     monarch-run --replicas 4 --min-replicas 2 [--procs-per-replica k] train.py --lr 3e-4
     monarch-run --replicas 4 -m my_pkg.train --lr 3e-4
+    monarch-run --hosts tcp://10.0.0.2:26600,tcp://10.0.0.3:26600 --replicas 4 train.py
 
 The calling process becomes the single controller; each replica's procs get the usual torch.distributed
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) scoped to their own replica group, and
@@ -21,7 +22,8 @@ from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeErr
 __all__ = ["main", "build_parser"]
 
 _CHOICES = {"cross_backend": BACKENDS, "batch_policy": BATCH_POLICIES}
-_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str}
+_TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
+          "list[str]": lambda text: [item.strip() for item in text.split(",") if item.strip()]}
 _NOT_FLAGS = {"env"}  # the worker environment is the caller's own (export it, as under torchrun)
 
 
@@ -40,9 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type == "bool":
             p.add_argument(flag, dest=f.name, action="store_true", help=doc)
             continue
-        p.add_argument(flag, dest=f.name, type=_TYPES[f.type], default=f.default, choices=_CHOICES.get(f.name),
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        p.add_argument(flag, dest=f.name, type=_TYPES[f.type], default=default, choices=_CHOICES.get(f.name),
                        metavar=None if f.name in _CHOICES else flag[2:].upper().replace("-", "_"),
-                       help=doc if f.default is None else f"{doc} (default: %(default)s)")
+                       help=doc if default in (None, []) else f"{doc} (default: %(default)s)")
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("target", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the training script")

@@ -15,13 +15,15 @@ import functools
 import inspect
 import os
 import re
+import socket
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
 
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "cli_flag", "field_docs", "spell_fields"]
+__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "cli_flag", "field_docs", "parse_host", "route_address",
+           "spell_fields"]
 
 BATCH_POLICIES = ("constant_global", "constant_local")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -81,8 +83,29 @@ class ElasticConfig:
     """A cross-replica reduction that has not finished after this long reports itself to the controller,
     which finds and replaces the replica that stopped making progress (a hang)."""
 
-    store_host: str = "127.0.0.1"
-    """Address the controller's rendezvous store listens on; workers connect to it."""
+    hosts: list[str] = field(default_factory=list)
+    """Monarch host agents to run the replicas on, one per machine, as ``tcp://IP:PORT`` (start one with
+    ``monarch-plugin host --address tcp://IP:PORT``). Empty: every replica runs on this machine, no agent needed.
+    The training script and its environment must be at the same paths on every host, as with torchrun."""
+
+    hosts_file: str | None = None
+    """A file of host agent addresses, one per line, re-read every second while the run goes on: a machine
+    added to it (or an agent restarted on a new port) joins the run, which places replacements and grows onto
+    it. Used with or instead of ``hosts``."""
+
+    replicas_per_host: int | None = None
+    """Most replicas one host holds at once. None: as many as its GPUs hold (``procs_per_replica`` GPUs each);
+    on CPU hosts, no limit. Replicas are spread over the hosts either way."""
+
+    host_timeout_s: float = 5.0
+    """A host whose watcher has not been heard from for this long (its machine or agent died, or its link is
+    down) is declared lost, with all its replicas, in one generation change. Monarch's own detection takes about
+    60 s and never reaches the fault hook."""
+
+    store_host: str | None = None
+    """The address the controller listens on (its rendezvous store; with ``hosts``, also Monarch's transport);
+    workers connect to it. None: 127.0.0.1 on one machine; with ``hosts``, this machine's address on the
+    interface that routes to the first host."""
 
     events_path: str | None = None
     """JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up),
@@ -106,7 +129,15 @@ class ElasticConfig:
             self.events_path = os.environ.get("MONARCH_PLUGIN_EVENTS", "monarch_events.jsonl")
         if self.fault is None:
             self.fault = os.environ.get("MONARCH_PLUGIN_FAULT") or None
+        self.hosts = list(self.hosts)
         self.validate()
+        if self.store_host is None:
+            self.store_host = route_address(self.hosts[0]) if self.hosts else "127.0.0.1"
+
+    @property
+    def multi_host(self) -> bool:
+        """Replicas run on host agents (`hosts`, `hosts_file`), not on this machine."""
+        return bool(self.hosts or self.hosts_file)
 
     def validate(self) -> None:
         """Raise ConfigError naming the field and the fix; runs before any spawn."""
@@ -148,6 +179,14 @@ class ElasticConfig:
         for name in ("join_timeout_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}", name)
+        if self.host_timeout_s <= 0:
+            raise ConfigError(f"`host_timeout_s` must be a positive number of seconds, got {self.host_timeout_s}",
+                              "host_timeout_s")
+        if self.replicas_per_host is not None and self.replicas_per_host < 1:
+            raise ConfigError(f"`replicas_per_host` must be 1 or more, got {self.replicas_per_host}: or leave it "
+                              "unset", "replicas_per_host")
+        for address in self.hosts:
+            parse_host(address)
         if self.fault:
             from monarch_plugin.faults import parse_faults
 
@@ -167,6 +206,35 @@ class ElasticConfig:
 
 
 _FLAGS = {"cross_backend": "--backend", "events_path": "--events"}
+
+_HOST = re.compile(r"tcp://(?P<ip>[0-9.]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]+)")
+
+
+def parse_host(address: str) -> tuple[str, int]:
+    """(IP, port) of a host agent address `tcp://IP:PORT`; ConfigError naming the form otherwise."""
+    match = _HOST.fullmatch(address.strip())
+    if match is None or not 0 < int(match["port"]) < 65536:
+        raise ConfigError(
+            f"`hosts`: {address!r} is not a host agent address: write tcp://IP:PORT, the address the agent was "
+            "started with (`monarch-plugin host --address tcp://IP:PORT`)", "hosts"
+        )
+    ip = match["ip"].strip("[]")
+    if ip in ("0.0.0.0", "::"):
+        raise ConfigError(f"`hosts`: {address!r} is a wildcard address: give the host's own IP", "hosts")
+    return ip, int(match["port"])
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the interface that routes to the host agent `host` (no packet is sent)."""
+    ip, port = parse_host(host)
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((ip, port))
+        except OSError as e:
+            raise ConfigError(f"`hosts`: no route from this machine to {host} ({e}): set `store_host` to this "
+                              "machine's address on the network the hosts share", "store_host") from e
+        return s.getsockname()[0]
 
 
 def cli_flag(name: str) -> str:

@@ -19,23 +19,20 @@ os.environ.setdefault("HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE", "2s")
 
 import datetime  # noqa: E402
 import queue  # noqa: E402
-import select  # noqa: E402
-import signal  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import Any  # noqa: E402
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from monarch_plugin import policies  # noqa: E402
-from monarch_plugin.backend import accelerator_kind, resolve_backend  # noqa: E402
+from monarch_plugin.backend import resolve_backend  # noqa: E402
 from monarch_plugin.config import ElasticConfig  # noqa: E402
-from monarch_plugin.devices import plan_gpus  # noqa: E402
-from monarch_plugin.errors import ElasticRunAborted, ReplicaCodeError  # noqa: E402
+from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError  # noqa: E402
 from monarch_plugin.events import EventLog  # noqa: E402
+from monarch_plugin.hosts import Hosts  # noqa: E402
 from monarch_plugin.protocol import (  # noqa: E402
     WAITING_ON_PEERS,
     Action,
@@ -72,13 +69,12 @@ class RunResult:
 class _Replica:
     rid: int
     initial: bool
-    slot: int = 0  # which of the host's GPU sets it holds (a replacement takes the slot its predecessor freed)
+    host: int = 0
     state: ReplicaState = ReplicaState.SPAWNING
     mesh: Any = None
     control: Any = None
     actor: Any = None
     pids: list[int] = field(default_factory=list)
-    pidfds: list[int] = field(default_factory=list)  # held until shutdown so a kill never hits a reused pid
     spawned_at: float = 0.0
     results: list[Any] | None = None
     admitted: bool = False
@@ -91,8 +87,6 @@ class ElasticController:
     def __init__(self, config: ElasticConfig, target: Target):
         config.validate()
         resolve_backend(config.cross_backend)
-        self._gpus = plan_gpus(accelerator_kind(), torch.cuda.device_count(), os.environ,
-                               config.replicas + config.spares, config.procs_per_replica)
         self.config = config
         self.target = target
         self.events = EventLog(config.events_path, source="controller")
@@ -105,11 +99,12 @@ class ElasticController:
         self.restarts = 0
         self.early_deaths = 0
         self._q: queue.Queue = queue.Queue()
-        self._pidfds: dict[int, tuple[int, int]] = {}  # fd -> (rid, pid), for processes still running
-        self._pidfd_lock = threading.Lock()
+        self.hosts = Hosts(config, self.events, self._q)  # on one machine: plans its GPUs (ConfigError if short)
         self._closing = threading.Event()
         self._respawn_at: list[float] = []
+        self._no_room = False
         self.store: dist.TCPStore | None = None
+        self._listener: socket.socket | None = None
         self._last_death = ""
         self._spawners: list[threading.Thread] = []
         self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
@@ -124,11 +119,13 @@ class ElasticController:
         t0 = time.time()
         previous_hook = monarch.actor.unhandled_fault_hook
         monarch.actor.unhandled_fault_hook = self._on_mesh_failure
-        watcher = threading.Thread(target=self._watch_pidfds, name="monarch-plugin-pidfd", daemon=True)
         try:
+            # Bound by us, so it listens on `store_host` only (TCPStore's own listener takes every interface).
+            self._listener = socket.create_server((self.config.store_host, 0), backlog=128)
             self.store = dist.TCPStore(
-                self.config.store_host, 0, is_master=True, wait_for_workers=False,
+                self.config.store_host, self._listener.getsockname()[1], is_master=True, wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=self.config.join_timeout_s),
+                master_listen_fd=self._listener.fileno(),
             )
             self.store.set(Key.LATEST, "-1")
             if self.config.events_path:  # one file per run, so reports never mix runs
@@ -138,7 +135,8 @@ class ElasticController:
                 min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,
                 procs_per_replica=self.config.procs_per_replica, store_port=self.store.port,
             )
-            watcher.start()
+            self.hosts.start(self.store)
+            self._check_room()
             for _ in range(self.config.replicas):
                 self._spawn(initial=True)
             for _ in range(self.config.spares):
@@ -159,21 +157,34 @@ class ElasticController:
 
     # -- spawning ------------------------------------------------------------------------------------------
 
-    def _spawn(self, initial: bool, spare: bool = False) -> None:
+    def _check_room(self) -> None:
+        """The hosts must hold the replicas a run starts with (later ones may wait for room)."""
+        room = sum(slots for slots, _ in self.hosts.rooms().values())
+        wanted = self.config.replicas + self.config.spares
+        if room < wanted:
+            raise ConfigError(
+                f"the hosts hold {room} replica(s) at once ({self.config.procs_per_replica} GPU(s) each, "
+                f"`replicas_per_host` {self.config.replicas_per_host}) but the run starts {wanted} (`replicas` + "
+                "`spares`): add hosts, raise `replicas_per_host`, or start fewer", "replicas"
+            )
+
+    def _spawn(self, initial: bool, spare: bool = False) -> bool:
+        """Start a replica on the host with the most room; False if no host has room (nothing is started)."""
+        spot = policies.place(self.hosts.rooms())
+        if spot is None:
+            return False
         rid = len(self.replicas)
-        held = {r.slot for r in self.replicas.values() if r.state.live}
-        slot = min(set(range(self.config.replicas + self.config.spares)) - held)
-        replica = _Replica(rid=rid, initial=initial, slot=slot, spawned_at=time.time())
+        replica = _Replica(rid=rid, initial=initial, host=spot[0], spawned_at=time.time())
         self.replicas[rid] = replica
+        self.hosts.take(rid, *spot)
         if not initial and not spare:
             self.restarts += 1
         spawner = threading.Thread(target=self._spawn_worker, args=(replica,), daemon=True, name=f"spawn-{rid}")
         self._spawners.append(spawner)
         spawner.start()
+        return True
 
     def _spawn_worker(self, replica: _Replica) -> None:
-        from monarch.actor import this_host
-
         from monarch_plugin.worker.actors import ControlActor, ReplicaActor
 
         k = self.config.procs_per_replica
@@ -184,34 +195,35 @@ class ElasticController:
             "MONARCH_PLUGIN_INITIAL": "1" if replica.initial else "0",
             "MONARCH_PLUGIN_STORE_HOST": self.config.store_host,
             "MONARCH_PLUGIN_STORE_PORT": str(self.store.port),
+            # The replica's own group stays on its host's loopback, gloo's sockets included.
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port()),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "WORLD_SIZE": str(k),
             "LOCAL_WORLD_SIZE": str(k),
             # torchrun's default: replicas share the host's cores, and a thread pool per core each thrashes.
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            **(self._gpus.env_for_slot(replica.slot) if self._gpus else {}),
+            **self.hosts.env_for(replica.rid),
         }
         try:
             mesh_name, control_name, actor_name = mesh_names(replica.rid)
-            mesh = this_host().spawn_procs(per_host={"procs": k}, name=mesh_name)
+            mesh = self.hosts.spawn_procs(replica.rid, k, mesh_name)
             replica.mesh = mesh
             replica.control = mesh.spawn(control_name, ControlActor)
             replica.actor = mesh.spawn(actor_name, ReplicaActor, env)
             infos = list(replica.control.info.call().get(timeout=self.config.join_timeout_s).values())
             replica.pids = [i["pid"] for i in infos]
-            for pid in replica.pids:
-                self._watch_pid(replica, pid)
+            self.hosts.watch(replica.rid, replica.pids)
             if self._closing.is_set():  # the run ended while this replica started: it must not outlive it
-                _kill(replica)
-                _stop_mesh(replica)
+                self.hosts.kill(replica.rid)
+                self._stop_mesh(replica)
                 return
             future = replica.actor.run.call(self.target)
         except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
             self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
             return
         self.events.emit("spawn", replica=replica.rid, pids=replica.pids, initial=replica.initial,
-                         seconds=round(time.time() - replica.spawned_at, 3))
+                         host=self.hosts.host_of(replica.rid).name, seconds=round(time.time() - replica.spawned_at, 3))
         self._q.put(("spawned", replica.rid, None))
         try:
             results = list(future.get().values())
@@ -286,8 +298,15 @@ class ElasticController:
                 r.state = ReplicaState.WAITING
 
     def _handle(self, kind: str, rid: int, payload: Any) -> None:
+        """One report: of a replica (`rid` its id) or, for `host_lost` and `host_up`, of a host (`rid` its index)."""
         replica = self.replicas.get(rid)
-        if replica is None:
+        if replica is None and not kind.startswith("host_"):
+            return
+        if kind == "host_lost":
+            self._on_host_lost(rid, payload)
+            return
+        if kind == "host_up":
+            self._on_host_up()
             return
         if kind == "spawned":
             return
@@ -326,34 +345,56 @@ class ElasticController:
             replica.state = ReplicaState.STOPPED
 
     def _on_death(self, replica: _Replica, how: str) -> None:
-        if replica.state in (ReplicaState.DEAD, ReplicaState.FINISHED, ReplicaState.STOPPED):
+        self._on_deaths([replica], how)
+
+    def _on_host_lost(self, host: int, how: str) -> None:
+        """Every replica on the host is gone at once: one generation change, not one per replica."""
+        lost = [r for r in self.replicas.values() if r.host == host and r.state.live]
+        self.events.emit("host_lost", host=self.hosts.hosts[host].name, replicas=[r.rid for r in lost], reason=how)
+        self._on_deaths(lost, how)
+
+    def _on_host_up(self) -> None:
+        """A host joined (a new machine, or one that came back): replicas waiting for room can go there."""
+        if not self._closing.is_set():
+            self._schedule_respawn()
+
+    def _on_deaths(self, replicas: list[_Replica], how: str) -> None:
+        dead = [r for r in replicas if r.state not in (ReplicaState.DEAD, ReplicaState.FINISHED, ReplicaState.STOPPED)]
+        if not dead:
             return
-        was_member = replica.state == ReplicaState.MEMBER
-        replica.state = ReplicaState.DEAD
-        self._last_death = how
-        self.deaths += 1
-        self.events.emit("death", replica=replica.rid, pids=replica.pids, detected_by=how,
-                         gen=self.gen, was_member=was_member)
-        self._unwatch(replica.rid)
-        _kill(replica)  # the rest of its group would only block its peers now
-        threading.Thread(target=_stop_mesh, args=(replica,), daemon=True).start()
-        if not replica.initial and not replica.admitted:
-            self.early_deaths += 1
+        lost_members = []
+        for replica in dead:
+            was_member = replica.state == ReplicaState.MEMBER
+            replica.state = ReplicaState.DEAD
+            self._last_death = how
+            self.deaths += 1
+            self.events.emit("death", replica=replica.rid, pids=replica.pids, detected_by=how,
+                             gen=self.gen, was_member=was_member, host=self.hosts.host_of(replica.rid).name)
+            self.hosts.unwatch(replica.rid)
+            self.hosts.kill(replica.rid)  # the rest of its group would only block its peers now
+            self.hosts.release(replica.rid)
+            threading.Thread(target=self._stop_mesh, args=(replica,), daemon=True).start()
+            if not replica.initial and not replica.admitted:
+                self.early_deaths += 1
+            if was_member:
+                lost_members.append(replica.rid)
         if self._closing.is_set():
             return
-        if was_member:
+        if lost_members:
             survivors = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
             why = policies.below_min(len(survivors), self.config)
             if why:
                 self._give_up(why)
                 return
             members = policies.next_members(survivors, self._ready_waiting(), self.config)
-            self._announce(members, reason=f"replica {replica.rid} died", interrupt=True)
+            who = f"replica {lost_members[0]}" if len(lost_members) == 1 else f"replicas {lost_members}"
+            self._announce(members, reason=f"{who} died", interrupt=True)
         why = policies.crash_loop(self.early_deaths, self.config)
         if why:
             self._give_up(why)
             return
-        self._schedule_respawn()
+        for _ in dead:
+            self._schedule_respawn()
 
     def _schedule_respawn(self) -> None:
         live = sum(r.state.live for r in self.replicas.values())
@@ -369,10 +410,16 @@ class ElasticController:
 
     def _respawn_due(self) -> None:
         now = time.monotonic()
-        due = [t for t in self._respawn_at if t <= now]
-        for t in due:
+        for t in [t for t in self._respawn_at if t <= now]:
+            if not self._spawn(initial=False):
+                if not self._no_room:
+                    self._no_room = True
+                    self.events.emit("no_room", waiting=len(self._respawn_at),
+                                     reason="every live host is full: the run trains on fewer replicas until a "
+                                            "host joins or comes back")
+                return  # it stays due: tried again when a host has room
+            self._no_room = False
             self._respawn_at.remove(t)
-            self._spawn(initial=False)
 
     def _ready_waiting(self) -> list[int]:
         return [r.rid for r in self.replicas.values() if r.state == ReplicaState.WAITING]
@@ -400,7 +447,7 @@ class ElasticController:
 
     def _treat_as_hung(self, replica: _Replica, how: str) -> None:
         self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how)
-        _kill(replica)
+        self.hosts.kill(replica.rid)
         self._on_death(replica, how)
 
     def _check_stalled(self) -> None:
@@ -514,35 +561,6 @@ class ElasticController:
         if rid is not None:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
             self._q.put(("died", rid, "supervision"))
 
-    def _watch_pid(self, replica: _Replica, pid: int) -> None:
-        try:
-            fd = os.pidfd_open(pid)
-        except (OSError, AttributeError):
-            return  # not local or no pidfd support: supervision still reports the death
-        replica.pidfds.append(fd)
-        with self._pidfd_lock:
-            self._pidfds[fd] = (replica.rid, pid)
-
-    def _unwatch(self, rid: int) -> None:
-        with self._pidfd_lock:
-            for fd, (r, _) in list(self._pidfds.items()):
-                if r == rid:
-                    del self._pidfds[fd]
-
-    def _watch_pidfds(self) -> None:
-        while not self._closing.is_set():
-            with self._pidfd_lock:
-                fds = list(self._pidfds)
-            if not fds:
-                time.sleep(0.01)
-                continue
-            readable, _, _ = select.select(fds, [], [], 0.05)
-            for fd in readable:
-                with self._pidfd_lock:
-                    entry = self._pidfds.pop(fd, None)
-                if entry is not None:
-                    self._q.put(("died", entry[0], f"pidfd (pid {entry[1]} exited)"))
-
     # -- shutdown --------------------------------------------------------------------------------------------
 
     def _stop_everything(self) -> None:
@@ -556,9 +574,7 @@ class ElasticController:
 
     def _shutdown(self) -> None:
         self._stop_everything()
-        with self._pidfd_lock:
-            self._pidfds.clear()
-        threads = [threading.Thread(target=_stop_mesh, args=(r,), daemon=True) for r in self.replicas.values()]
+        threads = [threading.Thread(target=self._stop_mesh, args=(r,), daemon=True) for r in self.replicas.values()]
         for t in threads:
             t.start()
         for t in threads:
@@ -567,28 +583,18 @@ class ElasticController:
         for spawner in self._spawners:
             spawner.join(timeout=max(0.0, deadline - time.monotonic()))
         for replica in self.replicas.values():
-            _kill(replica)  # whatever a stop left behind
-            for fd in replica.pidfds:
-                os.close(fd)
-            replica.pidfds.clear()
+            self.hosts.kill(replica.rid)  # whatever a stop left behind
+        self.hosts.close()
+        if self._listener is not None:
+            self._listener.close()
 
-
-def _stop_mesh(replica: _Replica) -> None:
-    if replica.mesh is None or replica.mesh_stopped:
-        return
-    replica.mesh_stopped = True
-    try:
-        replica.mesh.stop().get(timeout=10)
-    except Exception:  # noqa: BLE001 - a mesh holding a dead proc may refuse; _kill follows
-        pass
-
-
-def _kill(replica: _Replica) -> None:
-    """SIGKILL the replica's own processes through their pidfds (immune to pid reuse)."""
-    for fd in replica.pidfds:
+    def _stop_mesh(self, replica: _Replica) -> None:
+        if replica.mesh is None or replica.mesh_stopped or not self.hosts.hosts[replica.host].live:
+            return  # a lost host's meshes cannot be reached
+        replica.mesh_stopped = True
         try:
-            signal.pidfd_send_signal(fd, signal.SIGKILL)
-        except (ProcessLookupError, OSError):
+            replica.mesh.stop().get(timeout=10)
+        except Exception:  # noqa: BLE001 - a mesh holding a dead proc may refuse; the kill follows
             pass
 
 

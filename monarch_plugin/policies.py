@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from monarch_plugin.config import ElasticConfig
 
-__all__ = ["MAX_BACKOFF_S", "admit", "below_min", "crash_loop", "next_members", "respawn_delay", "respawn_refused",
-           "respawn_wanted"]
+__all__ = ["MAX_BACKOFF_S", "admit", "below_min", "crash_loop", "next_members", "place", "respawn_delay",
+           "respawn_refused", "respawn_wanted"]
 
 MAX_BACKOFF_S = 30.0
 """The longest a replacement waits after replacements that died before joining."""
@@ -61,3 +61,17 @@ def respawn_delay(early_deaths: int, config: ElasticConfig) -> float:
     if not early_deaths or config.restart_backoff_s <= 0:
         return 0.0
     return min(config.restart_backoff_s * 2 ** (early_deaths - 1), MAX_BACKOFF_S)
+
+
+def place(rooms: dict[int, tuple[int, set[int]]]) -> tuple[int, int] | None:
+    """Where a new replica goes, given each live host's `(slots, held slots)`: the host holding the fewest replicas
+    that has a free slot (ties: the lowest host number), in its lowest free slot; None when no host has room.
+
+    Spreading keeps a host's loss from taking more replicas than it must; a replacement lands on whichever host
+    has room, the one that lost it (its slot freed) or one that came back or joined."""
+    free = [(len(held), host, min(set(range(slots)) - held)) for host, (slots, held) in rooms.items()
+            if len(held) < slots]
+    if not free:
+        return None
+    _, host, slot = min(free)
+    return host, slot

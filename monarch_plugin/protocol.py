@@ -24,6 +24,7 @@ __all__ = [
     "WAITING_ON_PEERS",
     "mesh_names",
     "replica_of_mesh",
+    "watcher_names",
 ]
 
 
@@ -125,6 +126,21 @@ class Key:
         """Counter: members whose proc `lane` reached the end of training in the generation."""
         return f"fin/{gen}/{lane}"
 
+    @staticmethod
+    def host_beat(host: int) -> str:
+        """Counter: beats of the host's watcher; the controller declares a host lost when it stops moving."""
+        return f"host/{host}/beat"
+
+    @staticmethod
+    def host_deaths(host: int) -> str:
+        """Counter: worker procs the host's watcher saw exit; the n-th is `host_death(host, n)`."""
+        return f"host/{host}/deaths"
+
+    @staticmethod
+    def host_death(host: int, n: int) -> str:
+        """JSON {"replica", "pid"} of the n-th (from 1) worker proc the host's watcher saw exit."""
+        return f"host/{host}/death/{n}"
+
     # Prefixes of the groups' own rendezvous (`collectives.new_group` adds its keys under them).
 
     @staticmethod
@@ -169,6 +185,11 @@ _MESH = re.compile(r"r(\d+)_(control|replica)")
 def mesh_names(replica: int) -> tuple[str, str, str]:
     """The replica's proc mesh, and its two actors (control, training)."""
     return f"replica{replica}", f"r{replica}_control", f"r{replica}_replica"
+
+
+def watcher_names(host: int) -> tuple[str, str]:
+    """A host's watcher proc mesh and its actor."""
+    return f"host{host}_watch", f"host{host}_watcher"
 
 
 def replica_of_mesh(name: str) -> int | None:

@@ -100,6 +100,7 @@ def new_group(
     superseded,
     fault_point: Callable[[str], None] | None = None,
     construct_bound_s: float | None = None,
+    address: str = "127.0.0.1",
 ) -> dist.ProcessGroup | None:
     """A fresh group over `world` ranks named by `prefix`, with an abortable arrival barrier first.
 
@@ -112,6 +113,8 @@ def new_group(
     construction ("construct"), for fault injection. Construction that takes longer than
     `construct_bound_s` (default `timeout_s`) raises CollectiveTimedOut: every member has arrived, so a
     group that is not built by then is wedged, and waiting for the backend's timeout only stalls the run.
+    A gloo group listens on `address` only: loopback when every member is on this host, the host's own address on
+    the job's network otherwise (gloo's default, the hostname's address, may be another interface or none).
     """
     store.add(f"{prefix}/arrived", 1)
     deadline = time.monotonic() + timeout_s
@@ -146,7 +149,10 @@ def new_group(
             if hasattr(pg, "eager_connect_single_device") and torch.cuda.is_available():
                 pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
             return pg
-        return dist.ProcessGroupGloo(sub, rank, world, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        return dist.ProcessGroupGloo(sub, rank, world, opts)
 
     # Store waits end once superseded (above); a connect to a peer that died can still block inside the
     # backend, so construction runs on a thread that is abandoned, left to time out, when the plan moves on.

@@ -81,6 +81,9 @@ class WorkerContext:
     config: ElasticConfig
     store_host: str
     store_port: int
+    bind_address: str = "127.0.0.1"
+    """This host's address on the job's network, which the cross-replica groups listen on (loopback on one
+    machine)."""
 
     def __post_init__(self) -> None:
         self.events = EventLog(self.config.events_path, source=f"replica{self.replica_id}.{self.local_rank}")
@@ -129,6 +132,7 @@ def current() -> WorkerContext | None:
             config=config,
             store_host=os.environ["MONARCH_PLUGIN_STORE_HOST"],
             store_port=int(os.environ["MONARCH_PLUGIN_STORE_PORT"]),
+            bind_address=os.environ.get("MONARCH_PLUGIN_BIND_ADDR", "127.0.0.1"),
         )
     return _current
 

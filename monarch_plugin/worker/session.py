@@ -190,6 +190,7 @@ class ReplicaSession:
             self.ctx.store, Key.group(g, self.ctx.local_rank), rank, world, self.backend, self.timeout_s,
             superseded=lambda: self.flags.stop or self._latest() > g,
             fault_point=lambda where: self.ctx.fault_point(where, step), construct_bound_s=FORMATION_BOUND_S,
+            address=self.ctx.bind_address,
         )
         self.gen, self.rank, self.world, self.members = g, rank, world, list(members)
         self.action = plan.action
@@ -220,7 +221,7 @@ class ReplicaSession:
         t0 = time.time()
         sub = new_group(
             self.ctx.store, Key.heal_group(self.gen, self.ctx.local_rank), order.index(self.rank), len(order),
-            self.backend, self.timeout_s, superseded=self._superseded,
+            self.backend, self.timeout_s, superseded=self._superseded, address=self.ctx.bind_address,
         )
         try:
             state, moved = transfer_state(

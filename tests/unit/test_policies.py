@@ -39,3 +39,11 @@ def test_a_replica_is_respawned_only_while_one_is_missing_and_restarts_are_left(
     assert not policies.respawn_wanted(live=2, scheduled=1, config=config)
     assert policies.respawn_refused(restarts=1, scheduled=0, config=config) is None
     assert policies.respawn_refused(restarts=1, scheduled=1, config=config) == "`max_restarts` 2 used"
+
+
+def test_replicas_spread_over_the_hosts_with_room_and_a_full_run_has_nowhere_to_go():
+    assert policies.place({0: (2, set()), 1: (2, set())}) == (0, 0)
+    assert policies.place({0: (2, {0}), 1: (2, set())}) == (1, 0)  # spread before doubling up
+    assert policies.place({0: (2, {1}), 1: (2, {0})}) == (0, 0)  # a freed slot is reused
+    assert policies.place({1: (2, {0, 1}), 2: (1, set())}) == (2, 0)  # host 0 lost: not offered
+    assert policies.place({0: (1, {0}), 1: (1, {0})}) is None

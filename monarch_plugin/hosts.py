@@ -1,0 +1,287 @@
+"""Where replicas run, and how the controller learns that they died: this machine, or Monarch host agents.
+
+Without `hosts` every replica is a proc mesh on this machine (`this_host()`), and the controller holds a pidfd
+of each worker process: a death is seen in milliseconds. With `hosts`, each address is a Monarch host agent
+(`monarch-plugin host`) on another machine, attached once (`attach_to_workers`); a replica is one proc mesh on
+one host (its procs reduce among themselves on that host), and a `HostWatcher` proc on each host reports its
+deaths and beats through the controller's store. A host whose beats stop for `host_timeout_s` is lost: its
+replicas are gone together, in one generation change. Monarch's `monarch.job` launchers (SLURM, Kubernetes)
+attach a fixed set of hosts once; here hosts can also come later, from `hosts_file`, which is re-read every
+second: a machine added to it, or an agent restarted on a new port (Monarch does not re-attach an address it
+has marked lost), joins the run.
+
+Every death or loss becomes one item on the controller's queue: `("died", replica, how)`,
+`("host_lost", host, how)` or `("host_up", host, None)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from monarch_plugin.backend import accelerator_kind
+from monarch_plugin.config import ElasticConfig, parse_host
+from monarch_plugin.devices import GpuPlan, plan_gpus
+from monarch_plugin.errors import ConfigError
+from monarch_plugin.events import EventLog
+from monarch_plugin.pidwatch import PidWatch
+from monarch_plugin.protocol import Key, watcher_names
+
+__all__ = ["Host", "Hosts"]
+
+_CALL_S = 5.0
+"""Bound on a call to a host's watcher: an unreachable host must not stall the controller."""
+
+
+@dataclass
+class Host:
+    index: int
+    address: str | None
+    """The agent's `tcp://IP:PORT`; None for this machine."""
+    slots: int
+    """Replicas it may hold at once."""
+    gpus: GpuPlan | None = None
+    mesh: Any = None
+    watcher: Any = None
+    live: bool = True
+    held: dict[int, int] = field(default_factory=dict)
+    """replica -> the slot it holds."""
+    beats: int = -1
+    heard_at: float = 0.0
+    deaths_seen: int = 0
+
+    @property
+    def ip(self) -> str:
+        return parse_host(self.address)[0] if self.address else "127.0.0.1"
+
+    @property
+    def name(self) -> str:
+        return self.address or "this machine"
+
+
+class Hosts:
+    """The run's hosts: placing replicas on them, spawning their proc meshes, and watching for deaths."""
+
+    def __init__(self, config: ElasticConfig, events: EventLog, report: queue.Queue):
+        self.config = config
+        self.events = events
+        self._report = report
+        self.hosts: list[Host] = []
+        self._store = None
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._local: PidWatch | None = None  # this machine's worker procs
+        self._where: dict[int, int] = {}  # replica -> host index
+        self._tried: set[str] = set()  # addresses attached, or tried
+        if not config.multi_host:  # planned now, so a shortage of GPUs is a ConfigError before anything starts
+            slots = config.replicas + config.spares
+            gpus = plan_gpus(accelerator_kind(), torch.cuda.device_count(), os.environ, slots,
+                             config.procs_per_replica)
+            self.hosts.append(Host(0, None, slots, gpus))
+
+    # -- start and stop -------------------------------------------------------------------------------------
+
+    def start(self, store) -> None:
+        """Attach the hosts (or take this machine) and start watching; before the first replica is spawned."""
+        self._store = store
+        if not self.config.multi_host:
+            self._local = PidWatch(lambda replica, pid: self._report.put(("died", replica, f"pidfd (pid {pid} exited)")))
+            return
+        from monarch.actor import enable_transport
+
+        enable_transport(f"tcp://{self.config.store_host}:0")  # before any other Monarch call
+        addresses = list(dict.fromkeys(self.config.hosts + self._listed()))
+        self._tried.update(addresses)
+        if not addresses:
+            raise ConfigError(f"`hosts_file` {self.config.hosts_file} lists no host yet and `hosts` is empty: "
+                              "start `monarch-plugin host --address tcp://IP:PORT` on each machine and list them",
+                              "hosts")
+        attachers = [threading.Thread(target=self._attach, args=(a,), daemon=True) for a in addresses]
+        for t in attachers:
+            t.start()
+        for t in attachers:
+            t.join()
+        if not any(h.live for h in self.hosts):
+            raise ConfigError(
+                f"none of the hosts answered ({', '.join(addresses)}): start `monarch-plugin host --address "
+                "tcp://IP:PORT` on each machine, with the address this controller can reach", "hosts"
+            )
+        threading.Thread(target=self._watch_hosts, name="monarch-plugin-hosts", daemon=True).start()
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._local is not None:
+            self._local.close()
+
+    # -- placement ------------------------------------------------------------------------------------------
+
+    def rooms(self) -> dict[int, tuple[int, set[int]]]:
+        """Each live host's (slots, held slots), what `policies.place` decides from."""
+        return {h.index: (h.slots, set(h.held.values())) for h in self.hosts if h.live}
+
+    def take(self, replica: int, host: int, slot: int) -> None:
+        self.hosts[host].held[replica] = slot
+        self._where[replica] = host
+
+    def release(self, replica: int) -> None:
+        host = self._where.get(replica)
+        if host is not None:
+            self.hosts[host].held.pop(replica, None)
+
+    def host_of(self, replica: int) -> Host:
+        return self.hosts[self._where[replica]]
+
+    def env_for(self, replica: int) -> dict[str, str]:
+        """What a replica's procs need to know of their host: its GPUs, the address its groups bind to."""
+        host = self.host_of(replica)
+        env = {"MONARCH_PLUGIN_BIND_ADDR": host.ip}
+        if host.gpus is not None:
+            env.update(host.gpus.env_for_slot(host.held[replica]))
+        return env
+
+    def spawn_procs(self, replica: int, procs: int, name: str):
+        host = self.host_of(replica)
+        if host.mesh is None:
+            from monarch.actor import this_host
+
+            return this_host().spawn_procs(per_host={"procs": procs}, name=name)
+        return host.mesh.spawn_procs(per_host={"procs": procs}, name=name)
+
+    # -- deaths ---------------------------------------------------------------------------------------------
+
+    def watch(self, replica: int, pids: list[int]) -> None:
+        """Report the exit of any of the replica's procs from now on."""
+        host = self.host_of(replica)
+        if host.watcher is None:
+            self._local.watch(replica, pids)
+        else:
+            host.watcher.watch.call_one(replica, pids).get(timeout=_CALL_S)
+
+    def unwatch(self, replica: int) -> None:
+        if self._local is not None:
+            self._local.forget(replica)
+
+    def kill(self, replica: int) -> None:
+        """SIGKILL the replica's procs (through pidfds, immune to pid reuse), on whichever host they run."""
+        host = self._where.get(replica)
+        if host is None:
+            return
+        host = self.hosts[host]
+        if host.watcher is None:
+            self._local.kill(replica)
+        elif host.live:
+            try:
+                host.watcher.kill.call_one(replica).get(timeout=_CALL_S)
+            except Exception:  # noqa: BLE001 - an unreachable host is declared lost by its missing beats
+                pass
+
+    # -- other machines -------------------------------------------------------------------------------------
+
+    def _listed(self) -> list[str]:
+        path = self.config.hosts_file
+        if not path:
+            return []
+        try:
+            with open(path) as f:
+                lines = [line.split("#")[0].strip() for line in f]
+        except FileNotFoundError:
+            return []
+        addresses = []
+        for line in lines:
+            if not line:
+                continue
+            try:
+                parse_host(line)
+            except ConfigError as e:
+                self.events.emit("host_refused", address=line, reason=str(e))
+                continue
+            addresses.append(line)
+        return addresses
+
+    def _attach(self, address: str) -> Host | None:
+        """Attach the agent at `address` and start its watcher; the host joins live, or not at all."""
+        from monarch.actor import attach_to_workers
+
+        from monarch_plugin.worker.watcher import HostWatcher
+
+        t0 = time.monotonic()
+        with self._lock:
+            index = len(self.hosts)
+            host = Host(index, address, slots=0, live=False)
+            self.hosts.append(host)
+        try:
+            mesh = attach_to_workers(workers=[address], ca="trust_all_connections", name=f"host{index}")
+            mesh.initialized.get(timeout=min(self.config.join_timeout_s, 30.0))
+            procs_name, actor_name = watcher_names(index)
+            procs = mesh.spawn_procs(per_host={"procs": 1}, name=procs_name)
+            watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, index)
+            machine = watcher.machine.call_one().get(timeout=self.config.join_timeout_s)
+        except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is reported; the run goes on
+            self.events.emit("host_unreachable", host=index, address=address, error=f"{type(e).__name__}: {e}")
+            return None
+        host.mesh, host.watcher = mesh, watcher
+        host.slots, host.gpus = self._slots(machine)
+        host.heard_at = time.monotonic()
+        host.live = True
+        self.events.emit("host_up", host=index, address=address, slots=host.slots,
+                         seconds=round(time.monotonic() - t0, 3))
+        return host
+
+    def _slots(self, machine: dict) -> tuple[int, GpuPlan | None]:
+        """How many replicas the host holds, and its GPU plan, from what its watcher reports of it."""
+        k, cap = self.config.procs_per_replica, self.config.replicas_per_host
+        if machine["kind"] == "cpu":
+            return cap or self.config.max_replicas + self.config.spares, None
+        fits = machine["devices"] // k
+        slots = min(cap, fits) if cap else fits
+        return slots, plan_gpus(machine["kind"], machine["devices"], machine["environ"], slots, k) if slots else None
+
+    def _watch_hosts(self) -> None:
+        """Deaths and beats of every attached host, and new hosts from `hosts_file`."""
+        listed_at = 0.0
+        while not self._closing.wait(0.02):
+            now = time.monotonic()
+            for host in [h for h in self.hosts if h.live and h.watcher is not None]:
+                try:
+                    self._poll(host, now)
+                except Exception:  # noqa: BLE001 - the store is the controller's own: it is shutting down
+                    return
+            if now - listed_at >= 1.0:
+                listed_at = now
+                self._look_for_hosts()
+
+    def _poll(self, host: Host, now: float) -> None:
+        store = self._store
+        beats = store.add(Key.host_beat(host.index), 0)
+        if beats != host.beats:
+            host.beats, host.heard_at = beats, now
+        elif now - host.heard_at > self.config.host_timeout_s:
+            host.live = False
+            self._report.put(("host_lost", host.index, f"host {host.name} lost (no beat for "
+                                                       f"{now - host.heard_at:.1f} s)"))
+            return
+        deaths = store.add(Key.host_deaths(host.index), 0)
+        while host.deaths_seen < deaths:
+            host.deaths_seen += 1
+            death = json.loads(store.get(Key.host_death(host.index, host.deaths_seen)))
+            self._report.put(("died", death["replica"], f"watcher on {host.name} (pid {death['pid']} exited)"))
+
+    def _look_for_hosts(self) -> None:
+        """Attach every listed address not tried yet: a new machine, or an agent restarted on a new port. An
+        address is tried once: Monarch does not attach again an address it has marked lost."""
+        for address in self.config.hosts + self._listed():
+            if address not in self._tried:
+                self._tried.add(address)
+                threading.Thread(target=self._attach_late, args=(address,), daemon=True).start()
+
+    def _attach_late(self, address: str) -> None:
+        host = self._attach(address)
+        if host is not None:
+            self._report.put(("host_up", host.index, None))

@@ -1,0 +1,71 @@
+"""`HostWatcher`: the controller's eyes on another machine.
+
+On its own machine the controller holds a pidfd of every worker process and learns of a death in milliseconds.
+A pid means nothing on another machine, and Monarch reports a remote death only after 0.5-3 s, and the loss of a
+whole host (its agent gone, or its link down) never: a call to it fails ~60 s later. So each host runs one small
+proc with this actor. It holds pidfds of that host's worker procs and writes each exit into the controller's
+store at once (`Key.host_death`), and it beats (`Key.host_beat`) every `BEAT_S`: a host whose beats stop for
+`host_timeout_s` is lost, whatever the cause, since a dead agent, a dead machine and a cut link all stop them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+
+from monarch.actor import Actor, endpoint
+
+from monarch_plugin.pidwatch import PidWatch
+from monarch_plugin.protocol import Key
+
+__all__ = ["BEAT_S", "HostWatcher"]
+
+BEAT_S = 0.5
+"""How often a watcher beats; `host_timeout_s` is several of these."""
+
+
+class HostWatcher(Actor):
+    def __init__(self, store_host: str, store_port: int, host: int):
+        import torch.distributed as dist
+
+        self._host = host
+        self._store = dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=30))
+        self._pids = PidWatch(self._report, name="monarch-plugin-watch")
+        threading.Thread(target=self._beat, name="monarch-plugin-beat", daemon=True).start()
+
+    @endpoint
+    def machine(self) -> dict:
+        """What the controller plans this host's GPU slots from: the accelerator, device count, environment."""
+        import torch
+
+        from monarch_plugin.backend import accelerator_kind
+
+        return {"kind": accelerator_kind(), "devices": torch.cuda.device_count(), "environ": dict(os.environ)}
+
+    @endpoint
+    def watch(self, replica: int, pids: list[int]) -> None:
+        self._pids.watch(replica, pids)
+
+    @endpoint
+    def kill(self, replica: int) -> None:
+        """SIGKILL the replica's procs on this host (the controller already counts it dead)."""
+        self._pids.kill(replica)
+
+    def _report(self, replica: int, pid: int) -> None:
+        try:
+            n = self._store.add(Key.host_deaths(self._host), 1)
+            self._store.set(Key.host_death(self._host, n), json.dumps({"replica": replica, "pid": pid}))
+        except Exception:  # noqa: BLE001 - unreachable controller: the host will be declared lost
+            pass
+
+    def _beat(self) -> None:
+        while True:
+            try:
+                self._store.add(Key.host_beat(self._host), 1)
+            except Exception:  # noqa: BLE001 - the link may be down; the controller counts the missing beats
+                pass
+            time.sleep(BEAT_S)

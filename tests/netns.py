@@ -1,0 +1,138 @@
+"""Hosts for multi-host tests: Linux network namespaces, each with its own network stack and a Monarch host agent.
+
+Each host is a namespace joined to a bridge in the root namespace by a veth pair, on a private test subnet
+(10.231.K.0/24, K from this process's pid so parallel runs do not meet); the controller (the test's
+`monarch-run`) runs in the root namespace on the bridge's address. Everything created is named after this
+process and removed by `close()`, which the fixture calls on pass and on failure: the processes inside the
+namespaces (all started by the test) are killed by pid, then the namespaces and the bridge are deleted.
+Needs root; `available()` says whether this machine can run them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+AGENT_PORT = 26600
+
+
+def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
+
+
+def available() -> str | None:
+    """None if network namespaces can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns)"
+    if shutil.which("ip") is None or shutil.which("ss") is None:
+        return "needs iproute2 (ip, ss)"
+    return None
+
+
+class NetnsHosts:
+    def __init__(self, count: int, tmp: Path):
+        tag = f"mp{os.getpid() % 100000}"
+        self.tag = tag
+        self.subnet = 20 + os.getpid() % 200
+        self.bridge = f"{tag}br"
+        self.names = [f"{tag}h{i}" for i in range(count)]
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.hosts_file = tmp / "hosts"
+        self.hosts_file.write_text("")
+        self.tmp = tmp
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.ports: dict[int, int] = {}
+        self._made: list[str] = []
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            self._made.append("bridge")
+            _ip("addr", "add", f"{self.controller_ip}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i, ns in enumerate(self.names):
+                _ip("netns", "add", ns)
+                self._made.append(ns)
+                outside, inside = f"{tag}v{i}", f"{tag}p{i}"
+                _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+                _ip("link", "set", inside, "netns", ns)
+                _ip("link", "set", outside, "master", self.bridge)
+                _ip("link", "set", outside, "up")
+                _ip("addr", "add", f"{self.ip(i)}/24", "dev", inside, ns=ns)
+                _ip("link", "set", inside, "up", ns=ns)
+                _ip("link", "set", "lo", "up", ns=ns)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def controller_ip(self) -> str:
+        return f"10.231.{self.subnet}.1"
+
+    def ip(self, i: int) -> str:
+        return f"10.231.{self.subnet}.{10 + i}"
+
+    def address(self, i: int) -> str:
+        return f"tcp://{self.ip(i)}:{self.ports[i]}"
+
+    def start_agent(self, i: int, port: int = AGENT_PORT) -> str:
+        """Start host i's agent (on `port`), which adds itself to `hosts_file` once listening; its address."""
+        self.ports[i] = port
+        log = open(self.tmp / f"agent{i}-{port}.log", "w")
+        self.agents[i] = subprocess.Popen(
+            ["ip", "netns", "exec", self.names[i], sys.executable, "-m", "monarch_plugin.agent", "host",
+             "--address", f"tcp://{self.ip(i)}:{port}", "--hosts-file", str(self.hosts_file)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        return self.address(i)
+
+    def wait_listed(self, count: int, timeout: float = 60.0) -> list[str]:
+        """The first `count` addresses in the hosts file, once that many agents are listening."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = [line for line in self.hosts_file.read_text().split("\n") if line]
+            if len(lines) >= count:
+                return lines[:count]
+            time.sleep(0.1)
+        raise AssertionError(f"{count} host agents did not start in {timeout}s: "
+                             + " | ".join(p.read_text()[-500:] for p in self.tmp.glob("agent*.log")))
+
+    def pids(self, i: int) -> list[int]:
+        """Every process in host i's namespace: its agent and everything the agent started."""
+        out = _ip("netns", "pids", self.names[i], check=False).stdout
+        return [int(p) for p in out.split()]
+
+    def kill_host(self, i: int) -> list[int]:
+        """SIGKILL every process of host i, as when its machine dies; the pids killed."""
+        killed = []
+        for _ in range(3):  # a process forking while we kill: go round again
+            pids = self.pids(i)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        if i in self.agents:
+            self.agents.pop(i).wait(timeout=10)
+        return killed
+
+    def close(self) -> None:
+        for i in range(len(self.names)):
+            if self.names[i] in self._made:
+                self.kill_host(i)
+        for agent in self.agents.values():
+            agent.wait(timeout=10)
+        for ns in self.names:
+            if ns in self._made:
+                _ip("netns", "delete", ns, check=False)
+        if "bridge" in self._made:
+            _ip("link", "delete", self.bridge, check=False)
+        self._made.clear()

@@ -1,0 +1,55 @@
+"""The plain ElasticLoop for the multi-host tests: recipes/elastic_loop.py's model and checks, plus a hold.
+
+With --hold-for-regrow-from K a group shrunk below --replicas waits, from step K on, until its grow is announced,
+so the test sees the replacement join on the host that came back, however slowly it attaches. Each replica
+writes its progress and, at the end, its step, weights checksum, per-epoch sample counts and host address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from _regrow import wait_for_announced_grow
+from torch import nn
+
+from monarch_plugin import ElasticLoop, weights_checksum, worker_context
+
+p = argparse.ArgumentParser()
+p.add_argument("--samples", type=int, default=256)
+p.add_argument("--batch", type=int, default=24)
+p.add_argument("--epochs", type=int, default=4)
+p.add_argument("--step-sleep", type=float, default=0.05)
+p.add_argument("--replicas", type=int, required=True)
+p.add_argument("--hold-for-regrow-from", type=int, default=-1)
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(args.samples, 16, generator=g)
+y = x @ torch.randn(16, 1, generator=g)
+model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+loop = ElasticLoop(model, optimizer, dataset_size=args.samples, global_batch_size=args.batch,
+                   max_epochs=args.epochs, seed=0)
+ctx = worker_context()
+seen = torch.zeros(args.epochs, args.samples)
+for step in loop:
+    if 0 <= args.hold_for_regrow_from <= step.number and step.num_replicas < args.replicas:
+        wait_for_announced_grow(loop.tx)
+    idx = torch.tensor(step.indices, dtype=torch.long)
+    nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+    time.sleep(args.step_sleep)
+    counts = torch.zeros(args.samples)
+    counts[idx] = 1.0
+    if step.commit(seen=counts):
+        seen[step.epoch] += step.metrics["seen"].float()
+        with open(os.path.join(args.out, f"progress-{ctx.replica_id}"), "w") as f:
+            f.write(str(loop.step))
+with open(os.path.join(args.out, f"result-{ctx.replica_id}.json"), "w") as f:
+    json.dump({"replica": ctx.replica_id, "step": loop.step, "checksum": weights_checksum(model), "pid": os.getpid(),
+               "seen": seen.tolist(), "initial": ctx.initial, "host": ctx.bind_address}, f)
