@@ -401,8 +401,8 @@ class MonarchElasticCallback(TrainerCallback):
 
     def _window(self) -> list[list[int]]:
         """The global micro-batches of the step in flight: dataset indices, or a stream's positions in its pass."""
-        if self._stream is not None:
-            return [self._stream.positions(j) for j in range(self._micro_batches)]
+        if self._stream is not None:  # whole steps: the stream's loader cuts ahead, before `on_step_begin`
+            return [self._stream.positions(j) for j in range(self._stream.micro_batches)]
         return self._sampler.window(self._micro_batch_size, self._micro_batches)
 
     def _samples(self, ids: list[int]) -> list:
