@@ -99,7 +99,11 @@ class ElasticController:
         self.restarts = 0
         self.early_deaths = 0
         self._q: queue.Queue = queue.Queue()
-        self.hosts = Hosts(config, self.events, self._q)  # on one machine: plans its GPUs (ConfigError if short)
+        # On one machine: plans its GPUs now (ConfigError if short). On several: each must see these paths.
+        shared = [os.getcwd(), os.path.dirname(os.path.abspath(config.events_path or "x"))]
+        if target.kind == "script":
+            shared.append(os.path.abspath(target.entry))
+        self.hosts = Hosts(config, self.events, self._q, shared)
         self._closing = threading.Event()
         self._respawn_at: list[float] = []
         self._no_room = False

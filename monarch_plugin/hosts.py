@@ -33,6 +33,7 @@ from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog
 from monarch_plugin.pidwatch import PidWatch
 from monarch_plugin.protocol import Key, watcher_names
+from monarch_plugin.worker.lease import lease_s
 
 __all__ = ["Host", "Hosts"]
 
@@ -69,8 +70,10 @@ class Host:
 class Hosts:
     """The run's hosts: placing replicas on them, spawning their proc meshes, and watching for deaths."""
 
-    def __init__(self, config: ElasticConfig, events: EventLog, report: queue.Queue):
+    def __init__(self, config: ElasticConfig, events: EventLog, report: queue.Queue, paths: list[str]):
         self.config = config
+        self.paths = paths
+        """What every host must see at the same path (a shared filesystem): a host that does not is refused."""
         self.events = events
         self._report = report
         self.hosts: list[Host] = []
@@ -80,6 +83,8 @@ class Hosts:
         self._local: PidWatch | None = None  # this machine's worker procs
         self._where: dict[int, int] = {}  # replica -> host index
         self._tried: set[str] = set()  # addresses attached, or tried
+        self._failures: list[tuple[str, str]] = []  # (address, why) of the hosts that could not be used
+        self._lease = lease_s(config.host_timeout_s)
         if not config.multi_host:  # planned now, so a shortage of GPUs is a ConfigError before anything starts
             slots = config.replicas + config.spares
             gpus = plan_gpus(accelerator_kind(), torch.cuda.device_count(), os.environ, slots,
@@ -110,8 +115,9 @@ class Hosts:
             t.join()
         if not any(h.live for h in self.hosts):
             raise ConfigError(
-                f"none of the hosts answered ({', '.join(addresses)}): start `monarch-plugin host --address "
-                "tcp://IP:PORT` on each machine, with the address this controller can reach", "hosts"
+                f"no host could be used ({'; '.join(f'{a}: {why}' for a, why in self._failures)}): start "
+                "`monarch-plugin host --address tcp://IP:PORT` on each machine, with the address this controller "
+                "reaches it by", "hosts"
             )
         threading.Thread(target=self._watch_hosts, name="monarch-plugin-hosts", daemon=True).start()
 
@@ -142,6 +148,8 @@ class Hosts:
         """What a replica's procs need to know of their host: its GPUs, the address its groups bind to."""
         host = self.host_of(replica)
         env = {"MONARCH_PLUGIN_BIND_ADDR": host.ip}
+        if host.watcher is not None:  # on another machine: a cut-off proc ends itself (`worker.lease`)
+            env.update(MONARCH_PLUGIN_HOST=str(host.index), MONARCH_PLUGIN_LEASE_S=str(self._lease))
         if host.gpus is not None:
             env.update(host.gpus.env_for_slot(host.held[replica]))
         return env
@@ -221,16 +229,24 @@ class Hosts:
             mesh.initialized.get(timeout=min(self.config.join_timeout_s, 30.0))
             procs_name, actor_name = watcher_names(index)
             procs = mesh.spawn_procs(per_host={"procs": 1}, name=procs_name)
-            watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, index)
-            machine = watcher.machine.call_one().get(timeout=self.config.join_timeout_s)
+            watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, index,
+                                  self._lease)
+            machine = watcher.machine.call_one(self.paths).get(timeout=self.config.join_timeout_s)
         except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is reported; the run goes on
+            self._failures.append((address, f"unreachable ({type(e).__name__})"))
             self.events.emit("host_unreachable", host=index, address=address, error=f"{type(e).__name__}: {e}")
+            return None
+        if machine["missing"]:
+            why = (f"{', '.join(machine['missing'])} not found there: the script, its working directory and the "
+                   "events file's directory must be at the same paths on every host (a shared filesystem)")
+            self._failures.append((address, why))
+            self.events.emit("host_refused", host=index, address=address, reason=why)
             return None
         host.mesh, host.watcher = mesh, watcher
         host.slots, host.gpus = self._slots(machine)
         host.heard_at = time.monotonic()
         host.live = True
-        self.events.emit("host_up", host=index, address=address, slots=host.slots,
+        self.events.emit("host_up", host=index, address=address, slots=host.slots, watcher_pid=machine["pid"],
                          seconds=round(time.monotonic() - t0, 3))
         return host
 
@@ -264,6 +280,7 @@ class Hosts:
             host.beats, host.heard_at = beats, now
         elif now - host.heard_at > self.config.host_timeout_s:
             host.live = False
+            store.set(Key.host_lost(host.index), "1")  # any of its procs still running ends at its next touch
             self._report.put(("host_lost", host.index, f"host {host.name} lost (no beat for "
                                                        f"{now - host.heard_at:.1f} s)"))
             return

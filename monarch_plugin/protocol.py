@@ -132,6 +132,11 @@ class Key:
         return f"host/{host}/beat"
 
     @staticmethod
+    def host_lost(host: int) -> str:
+        """Set when the controller declares the host lost: its procs' leases end them at their next touch."""
+        return f"host/{host}/lost"
+
+    @staticmethod
     def host_deaths(host: int) -> str:
         """Counter: worker procs the host's watcher saw exit; the n-th is `host_death(host, n)`."""
         return f"host/{host}/deaths"

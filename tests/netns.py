@@ -101,6 +101,10 @@ class NetnsHosts:
         raise AssertionError(f"{count} host agents did not start in {timeout}s: "
                              + " | ".join(p.read_text()[-500:] for p in self.tmp.glob("agent*.log")))
 
+    def link(self, i: int, up: bool) -> None:
+        """Cut host i off the network (its veth down, as when its link fails), or connect it again."""
+        _ip("link", "set", f"{self.tag}v{i}", "up" if up else "down")
+
     def pids(self, i: int) -> list[int]:
         """Every process in host i's namespace: its agent and everything the agent started."""
         out = _ip("netns", "pids", self.names[i], check=False).stdout

@@ -18,6 +18,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from monarch_plugin.protocol import Outcome
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
+from monarch_plugin.worker.lease import Lease
 
 __all__ = ["ReplicaActor", "ControlActor"]
 
@@ -54,6 +55,11 @@ class ReplicaActor(Actor):
         os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
         # torch sized its thread pool when this process imported it, before the environment above arrived.
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        self._lease = None
+        if "MONARCH_PLUGIN_LEASE_S" in env:  # on another host: cut off from the controller, this proc ends itself
+            self._lease = Lease(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]),
+                                int(env["MONARCH_PLUGIN_HOST"]), float(env["MONARCH_PLUGIN_LEASE_S"]),
+                                f"replica {env['MONARCH_PLUGIN_REPLICA_ID']} proc {local_rank}")
 
     @endpoint
     def run(self, target: Target) -> Outcome:

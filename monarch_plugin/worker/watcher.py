@@ -4,8 +4,9 @@ On its own machine the controller holds a pidfd of every worker process and lear
 A pid means nothing on another machine, and Monarch reports a remote death only after 0.5-3 s, and the loss of a
 whole host (its agent gone, or its link down) never: a call to it fails ~60 s later. So each host runs one small
 proc with this actor. It holds pidfds of that host's worker procs and writes each exit into the controller's
-store at once (`Key.host_death`), and it beats (`Key.host_beat`) every `BEAT_S`: a host whose beats stop for
-`host_timeout_s` is lost, whatever the cause, since a dead agent, a dead machine and a cut link all stop them.
+store at once (`Key.host_death`), and it beats (`Key.host_beat`) every `BEAT_S` through its `Lease`: a host whose
+beats stop for `host_timeout_s` is lost, whatever the cause, since a dead agent, a dead machine and a cut link all
+stop them (and a cut-off watcher ends itself, as its host's workers do).
 """
 
 from __future__ import annotations
@@ -13,38 +14,37 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import threading
-import time
 
 from monarch.actor import Actor, endpoint
 
 from monarch_plugin.pidwatch import PidWatch
 from monarch_plugin.protocol import Key
+from monarch_plugin.worker.lease import Lease
 
-__all__ = ["BEAT_S", "HostWatcher"]
-
-BEAT_S = 0.5
-"""How often a watcher beats; `host_timeout_s` is several of these."""
+__all__ = ["HostWatcher"]
 
 
 class HostWatcher(Actor):
-    def __init__(self, store_host: str, store_port: int, host: int):
+    def __init__(self, store_host: str, store_port: int, host: int, lease: float):
         import torch.distributed as dist
 
         self._host = host
         self._store = dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=30))
+                                    timeout=datetime.timedelta(seconds=lease))
         self._pids = PidWatch(self._report, name="monarch-plugin-watch")
-        threading.Thread(target=self._beat, name="monarch-plugin-beat", daemon=True).start()
+        self._lease = Lease(store_host, store_port, host, lease, f"the watcher of host {host}",
+                            beat_key=Key.host_beat(host))
 
     @endpoint
-    def machine(self) -> dict:
-        """What the controller plans this host's GPU slots from: the accelerator, device count, environment."""
+    def machine(self, paths: list[str]) -> dict:
+        """What the controller plans this host's GPU slots from (the accelerator, device count, environment), and
+        which of `paths` (the run's script, working directory, events directory) this host does not see."""
         import torch
 
         from monarch_plugin.backend import accelerator_kind
 
-        return {"kind": accelerator_kind(), "devices": torch.cuda.device_count(), "environ": dict(os.environ)}
+        return {"kind": accelerator_kind(), "devices": torch.cuda.device_count(), "environ": dict(os.environ),
+                "missing": [p for p in paths if not os.path.exists(p)], "pid": os.getpid()}
 
     @endpoint
     def watch(self, replica: int, pids: list[int]) -> None:
@@ -61,11 +61,3 @@ class HostWatcher(Actor):
             self._store.set(Key.host_death(self._host, n), json.dumps({"replica": replica, "pid": pid}))
         except Exception:  # noqa: BLE001 - unreachable controller: the host will be declared lost
             pass
-
-    def _beat(self) -> None:
-        while True:
-            try:
-                self._store.add(Key.host_beat(self._host), 1)
-            except Exception:  # noqa: BLE001 - the link may be down; the controller counts the missing beats
-                pass
-            time.sleep(BEAT_S)

@@ -129,6 +129,52 @@ def test_remote_death_and_lost_host_each_one_generation_change_and_the_host_back
         assert not any(alive(pid) for pid in pids)
 
 
+def test_a_cut_off_host_is_lost_its_procs_end_themselves_and_the_run_regrows_there_once_it_is_back(elastic_run,
+                                                                                                     hosts):
+    net = hosts(3)
+    for i in range(3):
+        net.start_agent(i)
+    net.wait_listed(3)
+    run = elastic_run()
+    run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "3",
+              "--replicas-per-host", "1", "--host-timeout", "3", "--join-timeout", "120",
+              script=WORKLOADS / "multihost_loop.py",
+              script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
+                           "--replicas", "3", "--hold-for-regrow-from", "10", "--out", str(run.out)))
+    run.wait_for(lambda: all(run.progress(r) >= 3 for r in range(3)), timeout=150, what="three replicas training")
+    victim, workers = next((s["replica"], s["pids"]) for s in run.events("spawn") if s["host"] == net.address(1))
+    watcher = next(e["watcher_pid"] for e in run.events("host_up") if e["address"] == net.address(1))
+    stale = {*workers, watcher}
+
+    net.link(1, up=False)
+    run.wait_for(lambda: run.events("host_lost"), timeout=60, what="the cut-off host declared lost")
+    # Fenced: behind the cut link every proc of the run ends itself (its lease), before the link is back.
+    run.wait_for(lambda: not any(alive(pid) for pid in stale), timeout=30,
+                 what=f"the cut-off procs {stale} to end (in the namespace: {net.pids(1)})")
+    relinked = time.time()
+    net.link(1, up=True)
+    net.start_agent(1, port=netns.AGENT_PORT + 1)
+    assert run.wait(timeout=240) == 0, run.output
+
+    assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
+    quorums = run.events("quorum")
+    assert [len(q["members"]) for q in quorums] == [3, 2, 3], quorums
+    assert victim not in quorums[1]["members"] + quorums[2]["members"]
+    # The stale replica wrote nothing once the link was back (it could not: it had ended), and the run
+    # regrew onto that host through its agent's new address.
+    assert not [e for e in run.events() if e.get("source", "").startswith(f"replica{victim}.")
+                and e["ts"] >= relinked]
+    spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
+    assert spawned[max(spawned)] == net.address(1), spawned
+    results = run.results()
+    assert set(results) == set(quorums[2]["members"]), run.output
+    assert {r["checksum"] for r in results.values()} == {results[max(spawned)]["checksum"]}
+    assert {r["step"] for r in results.values()} == {STEPS}
+    for survivor in quorums[1]["members"]:
+        for epoch, counts in enumerate(results[survivor]["seen"]):
+            assert set(counts) == {1.0}, f"replica {survivor} epoch {epoch}"
+
+
 def test_a_single_host_job_listens_on_loopback_only(elastic_run):
     run = elastic_run()
     run.start("--replicas", "2", "--join-timeout", "120", script=RECIPE,

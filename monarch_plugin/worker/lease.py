@@ -1,0 +1,80 @@
+"""A proc's lease on the run: on another host, a proc that cannot reach the controller for `lease_s` exits.
+
+The controller declares a host lost when its watcher's beats stop for `host_timeout_s`. A cut link stops them,
+but the procs behind it keep running (Monarch's agent kills them as orphans only 70-95 s later, and
+`ProcMesh.stop()` after the link returns did not), and when the link comes back they would find a run that has
+moved on: a stale worker could write into the store, join a generation, or serve a heal. So every proc on
+another host (the workers and the host's watcher) holds a lease: a thread that touches the controller's store
+every `BEAT_S` over a connection of its own, and ends the process when its touches have failed or hung for
+`lease_s`. That is shorter than `host_timeout_s` by two beats and a margin, so the procs of a cut-off host are
+gone before the controller declares the host lost, and so before anything could reach it again. A thread merely
+starved of the GIL does not count: only a touch that was tried and failed or hung. A host the controller
+declared lost anyway (`Key.host_lost`) ends its procs at their next touch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+
+from monarch_plugin.protocol import Key
+
+__all__ = ["BEAT_S", "Lease", "lease_s"]
+
+BEAT_S = 0.5
+"""How often a lease touches the store (and a watcher beats)."""
+
+_MARGIN_S = 0.5
+
+
+def lease_s(host_timeout_s: float) -> float:
+    """How long a proc on another host keeps running without reaching the controller: the host timeout less two
+    beats (the controller may have seen a beat up to one later than the proc's last touch) and a margin."""
+    return host_timeout_s - 2 * BEAT_S - _MARGIN_S
+
+
+class Lease:
+    """Touch the store every `BEAT_S` (adding to `beat_key`, if given); `os._exit` when out of touch for `lease_s`.
+
+    Two threads: one touches, one judges. A touch on a cut link does not fail, it blocks (the TCP connection
+    retransmits for minutes and the store client sets no deadline), so only a second thread can tell how long
+    the last successful touch is ago. Both need the GIL to run, so one starved of it does not judge the other.
+    """
+
+    def __init__(self, store_host: str, store_port: int, host: int, lease: float, what: str,
+                 beat_key: str | None = None):
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=lease))
+        self._lost_key = Key.host_lost(host)
+        self._lease, self._what, self._beat_key = lease, what, beat_key
+        self._last_ok = time.monotonic()
+        threading.Thread(target=self._touch, name="monarch-plugin-lease", daemon=True).start()
+        threading.Thread(target=self._judge, name="monarch-plugin-lease-judge", daemon=True).start()
+
+    def _touch(self) -> None:
+        while True:
+            try:
+                if self._beat_key is not None:
+                    self._store.add(self._beat_key, 1)
+                if self._store.check([self._lost_key]):
+                    self._end("its host was declared lost")
+                self._last_ok = time.monotonic()
+            except Exception:  # noqa: BLE001 - the link may be down: the judge counts for how long
+                pass
+            time.sleep(BEAT_S)
+
+    def _judge(self) -> None:
+        while True:
+            time.sleep(BEAT_S / 2)
+            if time.monotonic() - self._last_ok >= self._lease:
+                self._end(f"no contact with the controller for {self._lease:.1f} s")
+
+    def _end(self, why: str) -> None:
+        print(f"monarch-plugin: {self._what}: {why}; exiting, the run goes on without this host", file=sys.stderr,
+              flush=True)
+        os._exit(17)
