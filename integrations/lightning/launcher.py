@@ -44,11 +44,13 @@ ARGUMENTS = {
     "min_replicas": "min_replicas", "max_replicas": "max_replicas", "backend": "cross_backend",
     "join_timeout_s": "join_timeout_s", "collective_timeout_s": "collective_timeout_s", "fault": "fault",
     "events_path": "events_path", "checkpoint_dir": "checkpoint_dir", "max_restarts": "max_restarts",
-    "spares": "spares",
+    "spares": "spares", "hosts": "hosts", "hosts_file": "hosts_file", "host_timeout_s": "host_timeout_s",
+    "store_host": "store_host",
 }
 """The Lightning strategies' keyword arguments, each the `ElasticConfig` field it sets: the same name, but for
 `backend`, which is both the replica's own backend and the cross-replica one. `replicas` and `procs_per_replica`
-come from Lightning's own `devices` (and `MonarchFSDPStrategy(procs_per_replica=...)`)."""
+come from Lightning's own `devices` and `num_nodes` (and `MonarchFSDPStrategy(procs_per_replica=...)`); on several
+hosts `replicas_per_host` is `devices` over `procs_per_replica`."""
 
 _FIELD_ARGUMENT = {field: name for name, field in ARGUMENTS.items()}
 
@@ -56,6 +58,10 @@ _LIGHTNING_DOCS = {
     "max_replicas": "Most replicas ever live at once. None means the replicas `devices` starts.",
     "cross_backend": 'torch.distributed backend within and across replicas: "auto" (nccl on CUDA and ROCm builds, '
                      'where it is RCCL; gloo on CPU), "gloo" or "nccl".',
+    "hosts": "Monarch host agents to run the replicas on, one per machine, as `tcp://IP:PORT` (start one with "
+             "`monarch-plugin host --address tcp://IP:PORT`); `Trainer(num_nodes=...)` of them, each given `devices` "
+             "replica procs. None: every replica on this machine. The script and its environment must be at the same "
+             "paths on every host, as with torchrun.",
     "events_path": "JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up). "
                    "None: `$MONARCH_PLUGIN_EVENTS` or `monarch_events.jsonl` in the Trainer's `default_root_dir` "
                    "(`monarch_events-<stage>.jsonl` for validate, test and predict).",
@@ -134,6 +140,8 @@ class _MonarchLauncher(Launcher):
             result = controller.run()
         except ElasticRunAborted as e:  # the message names the strategy's own arguments
             raise ElasticRunAborted(spell_fields(str(e), argument), e.checkpoint) from e
+        except ConfigError as e:  # found once the hosts answered: too little room, none usable
+            raise MisconfigurationException(f"MonarchStrategy: {spell_fields(str(e), argument)}") from e
         for line in run_summary(result):
             rank_zero_info(f"monarch: {line}")
         outputs: list[_StageOutput] = sorted((v[0] for v in result.values.values() if v and v[0]),

@@ -67,6 +67,10 @@ class MonarchStrategy(ParallelStrategy):
         checkpoint_dir: str = ElasticConfig.checkpoint_dir,
         max_restarts: int = ElasticConfig.max_restarts,
         spares: int = ElasticConfig.spares,
+        hosts: Optional[list[str]] = None,
+        hosts_file: Optional[str] = None,
+        host_timeout_s: float = ElasticConfig.host_timeout_s,
+        store_host: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -80,7 +84,12 @@ class MonarchStrategy(ParallelStrategy):
         self.checkpoint_dir = checkpoint_dir
         self.max_restarts = max_restarts
         self.spares = spares
+        self.hosts = list(hosts or [])
+        self.hosts_file = hosts_file
+        self.host_timeout_s = host_timeout_s
+        self.store_host = store_host
         self.num_nodes = 1
+        """Lightning's `Trainer(num_nodes=...)`: the hosts the run starts on, `devices` replica procs on each."""
         self.replica_checksums: dict[int, str] = {}
         """After `fit`, in the controller: each finishing replica's weight checksum (all equal by construction)."""
         self._ctx: Optional[_context.WorkerContext] = None
@@ -134,6 +143,8 @@ class MonarchStrategy(ParallelStrategy):
         if not fitting:
             settings.update(min_replicas=1, fault=None, max_restarts=0, spares=0)
         settings.update(replicas=self.replicas, procs_per_replica=self.procs_per_replica, events_path=events)
+        if self.hosts or self.hosts_file:  # `devices` is per host, as under Lightning's own multi-node strategies
+            settings["replicas_per_host"] = len(self.parallel_devices or []) // self.procs_per_replica
         try:
             return ElasticConfig(**settings)
         except ConfigError as e:
@@ -146,9 +157,16 @@ class MonarchStrategy(ParallelStrategy):
                 f"MonarchStrategy runs replicas on CPUs or on CUDA/ROCm GPUs, got accelerator "
                 f"{type(self.accelerator).__name__}: pass Trainer(accelerator='cpu' or 'gpu', devices=N)"
             )
-        if self.num_nodes != 1:
+        if self.num_nodes != 1 and not (self.hosts or self.hosts_file):
             raise MisconfigurationException(
-                "MonarchStrategy spawns its replicas from this process on this host: drop Trainer(num_nodes=...)"
+                f"Trainer(num_nodes={self.num_nodes}) trains on {self.num_nodes} machines, each running a Monarch host "
+                "agent (`monarch-plugin host --address tcp://IP:PORT`): pass their addresses as "
+                "MonarchStrategy(hosts=[...]) or hosts_file=..., or drop num_nodes to train on this machine"
+            )
+        if self.hosts and not self.hosts_file and len(self.hosts) != self.num_nodes:
+            raise MisconfigurationException(
+                f"MonarchStrategy(hosts=...) lists {len(self.hosts)} host(s) but Trainer(num_nodes={self.num_nodes}): "
+                "make them agree (num_nodes is the number of hosts the run starts on)"
             )
         _hooks.check_version()
         self.elastic_config()

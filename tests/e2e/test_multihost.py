@@ -16,7 +16,7 @@ import time
 import pytest
 
 import netns
-from conftest import RECIPE, WORKLOADS, alive
+from conftest import RECIPE, WORKLOADS, alive, run_factory
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]
@@ -173,6 +173,43 @@ def test_a_cut_off_host_is_lost_its_procs_end_themselves_and_the_run_regrows_the
     for survivor in quorums[1]["members"]:
         for epoch, counts in enumerate(results[survivor]["seen"]):
             assert set(counts) == {1.0}, f"replica {survivor} epoch {epoch}"
+
+
+@pytest.fixture
+def lightning_run(tmp_path):
+    pytest.importorskip("lightning")
+    from test_lightning import LightningRun
+
+    yield from run_factory(tmp_path, LightningRun)
+
+
+def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(lightning_run, hosts):
+    from test_lightning import _every_sample_once_per_epoch
+
+    net = hosts(2)
+    for i in range(2):
+        net.start_agent(i)
+    net.wait_listed(2)
+    epochs, samples, batch = 6, 96, 8  # Trainer(devices=1, num_nodes=2): a global batch of 16, 6 steps an epoch
+    run = lightning_run().start("--devices", "1", "--num-nodes", "2", "--hosts-file", str(net.hosts_file),
+                                "--store-host", net.controller_ip, "--epochs", str(epochs), "--samples", str(samples),
+                                "--batch", str(batch), "--step-sleep", "0.1", "--hold-for-regrow-from", "12")
+    run.wait_for(lambda: run.progress(0) >= 3 and run.progress(1) >= 3, timeout=150, what="both replicas training")
+    victim = next(s["replica"] for s in run.events("spawn") if s["host"] == net.address(1))
+    net.kill_host(1)
+    run.wait_for(lambda: run.events("host_lost"), timeout=60, what="host 1 declared lost")
+    net.start_agent(1, port=netns.AGENT_PORT + 1)
+    assert run.wait(timeout=240) == 0, run.output
+
+    result = run.result()
+    assert result["state"] == "finished" and result["global_step"] == epochs * samples // (2 * batch)
+    assert len(result["replica_checksums"]) == 2 and set(result["replica_checksums"].values()) == {result["checksum"]}
+    assert str(victim) not in result["replica_checksums"]
+    _every_sample_once_per_epoch(result)
+    assert [len(q["members"]) for q in run.events("quorum")] == [2, 1, 2]
+    assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
+    spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
+    assert spawned[max(spawned)] == net.address(1), spawned
 
 
 def test_a_single_host_job_listens_on_loopback_only(elastic_run):

@@ -206,14 +206,18 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="a checkpoint to resume from (fit's ckpt_path)")
     p.add_argument("--fsdp", type=int, default=0, help="MonarchFSDPStrategy with this many procs per replica")
     p.add_argument("--checkpoint-every", type=int, default=0, help="ModelCheckpoint every N steps into DIR/ckpts")
+    p.add_argument("--hosts-file", default=None, help="MonarchStrategy(hosts_file=...): replicas on host agents")
+    p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): the hosts, --devices on each")
+    p.add_argument("--store-host", default=None)
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
     pl.seed_everything(0)
-    global_batch = args.batch * args.devices
+    global_batch = args.batch * args.devices * args.num_nodes
     cls = Unpicklable if args.unpicklable else Model
     model = cls(args.samples, args.epochs + args.swa, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
-                args.slow_replica, args.devices // max(args.fsdp, 1), args.hold_for_regrow_from, args.batchnorm)
+                args.slow_replica, args.devices * args.num_nodes // max(args.fsdp, 1), args.hold_for_regrow_from,
+                args.batchnorm)
     if args.strategy == "single":
         strategy, devices, batch = "auto", 1, global_batch
     elif args.strategy in ("monarch-name", "ddp_spawn"):
@@ -221,6 +225,8 @@ def main() -> None:
     else:
         knobs = dict(min_replicas=args.min_replicas, fault=args.fault, events_path=args.events,
                      checkpoint_dir=os.path.join(args.out, "ckpt"), join_timeout_s=120, spares=args.spares)
+        if args.hosts_file:
+            knobs.update(hosts_file=args.hosts_file, store_host=args.store_host, host_timeout_s=3)
         if args.fsdp:
             strategy = MonarchFSDPStrategy(procs_per_replica=args.fsdp, **knobs)
         else:
@@ -236,7 +242,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "ckpts"), filename="{step}",
                                          every_n_train_steps=args.checkpoint_every, save_top_k=-1))
     trainer = pl.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=args.epochs, max_steps=args.max_steps,
+        accelerator="cpu", devices=devices, num_nodes=args.num_nodes, strategy=strategy, max_epochs=args.epochs,
+        max_steps=args.max_steps,
         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
         limit_train_batches=args.limit_train_batches, overfit_batches=args.overfit_batches, gradient_clip_algorithm="value",
         val_check_interval=args.val_interval, check_val_every_n_epoch=args.val_every_n_epoch,
