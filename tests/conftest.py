@@ -31,6 +31,37 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+WILDCARDS = ("0.0.0.0", "*", "[::]", "::", "[::ffff:0.0.0.0]")
+"""How `ss` writes a listener bound to every interface."""
+
+
+def listeners(pids: set[int] | None = None, ns: str | None = None) -> list[tuple[str, str]]:
+    """(local address, process) of every TCP listener of `pids` (in the root namespace), or of namespace `ns`."""
+    cmd = ["ss", "-ltnpH"] if ns is None else ["ip", "netns", "exec", ns, "ss", "-ltnpH"]
+    found = []
+    for line in subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=30).stdout.splitlines():
+        fields = line.split()
+        local, process = fields[3], " ".join(fields[5:])
+        owners = {int(part.split("=")[1].rstrip(",)")) for part in process.split(",") if part.startswith("pid=")}
+        if pids is None or owners & pids:
+            found.append((local.rsplit(":", 1)[0], process))
+    return found
+
+
+def descendants(pid: int) -> set[int]:
+    """`pid` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for stat in subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+        child, parent = map(int, stat.split())
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += children.get(p, [])
+    return found
+
+
 def alive(pid: int) -> bool:
     """True if pid runs and is not a zombie."""
     try:

@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from conftest import WORKLOADS, alive
+from conftest import WORKLOADS, alive, descendants, listeners
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,6 +24,9 @@ def test_sigkill_mid_epoch_shrinks_regrows_and_finishes_identical(elastic_run):
               script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
                            "--step-sleep", "0.08", "--batchnorm", "--out", str(run.out)))
     run.wait_for(lambda: run.progress(1) >= 8, timeout=120, what="replica 1 to reach step 8")
+    # Nothing listens beyond need: on one machine, every listener of the job (store, groups) is on loopback.
+    found = listeners(descendants(run.proc.pid))
+    assert found and {address for address, _ in found} <= {"127.0.0.1", "[::1]"}, found
     pids = run.pids()
     victim = pids[1][0]
     os.kill(victim, signal.SIGKILL)
