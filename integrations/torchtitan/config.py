@@ -11,7 +11,7 @@ them; pipeline, tensor, context and expert parallelism are refused).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from monarch_plugin.config import ElasticConfig, spell_fields
@@ -86,6 +86,26 @@ class MonarchConfig:
     events_path: str | None = None
     """JSON-lines file of spawns, deaths, generations, dropped steps and heals (None: <dump_folder>/monarch_events.jsonl)."""
 
+    hosts: list[str] = field(default_factory=list)
+    """
+    Monarch host agents to run the replicas on, one per machine, as `tcp://IP:PORT,...` (start one on each with
+    `monarch-plugin host --address tcp://IP:PORT`). Empty: every replica on this machine. A replica's procs (its
+    FSDP group) are always on one host; the job's script and environment must be at the same paths on every host.
+    See docs/multihost.md.
+    """
+
+    hosts_file: str | None = None
+    """A file of host agent addresses, one per line, re-read every second: a machine listed mid-run joins the run."""
+
+    replicas_per_host: int | None = None
+    """Most replicas on one host (None: as many as its GPUs hold, `procs_per_replica` each; on CPU no limit)."""
+
+    host_timeout_s: float = ElasticConfig.host_timeout_s
+    """A host not heard from for this long (dead, or its link down) is lost with all its replicas, in one change."""
+
+    store_host: str | None = None
+    """This machine's address on the job's network, which the controller listens on (None: the route to the first host)."""
+
 
 def micro_batch_size(config: "MonarchTrainer.Config") -> int:
     """Samples in one global micro-batch: what the replicas started with take in one forward,
@@ -109,6 +129,8 @@ def elastic_config(config: "MonarchTrainer.Config") -> ElasticConfig:
         collective_timeout_s=monarch.collective_timeout_s, fault=monarch.fault,
         events_path=monarch.events_path or os.path.join(config.dump_folder, "monarch_events.jsonl"),
         checkpoint_dir=os.path.join(config.dump_folder, config.checkpoint.folder),
+        hosts=monarch.hosts, hosts_file=monarch.hosts_file, replicas_per_host=monarch.replicas_per_host,
+        host_timeout_s=monarch.host_timeout_s, store_host=monarch.store_host,
     )
 
 

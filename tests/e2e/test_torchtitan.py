@@ -195,10 +195,13 @@ def _parse(*args: str) -> MonarchTrainer.Config:
 def test_monarch_section_parses_from_the_command_line():
     config = _parse("--config", "llama3_debugmodel_cpu", "--monarch.enable", "--monarch.replicas", "3",
                     "--monarch.min_replicas", "2", "--monarch.max_replicas", "4", "--monarch.procs_per_replica", "2",
-                    "--monarch.spares", "1", "--monarch.fault", "sigkill:replica=1:step=5")
+                    "--monarch.spares", "1", "--monarch.fault", "sigkill:replica=1:step=5",
+                    "--monarch.hosts", "tcp://127.0.0.1:26600,tcp://127.0.0.1:26601", "--monarch.host_timeout_s", "4")
     assert isinstance(config, MonarchTrainer.Config)
     assert config.monarch == MonarchConfig(enable=True, replicas=3, min_replicas=2, max_replicas=4,
-                                           procs_per_replica=2, spares=1, fault="sigkill:replica=1:step=5")
+                                           procs_per_replica=2, spares=1, fault="sigkill:replica=1:step=5",
+                                           hosts=["tcp://127.0.0.1:26600", "tcp://127.0.0.1:26601"],
+                                           host_timeout_s=4.0)
     assert not _parse("--config", "llama3_debugmodel_cpu").monarch.enable
     assert _parse("--config", "llama3_debugmodel_elastic").monarch.procs_per_replica == 2
     # In the launching process an enabled job builds the controller, not a Trainer.
@@ -219,6 +222,7 @@ def test_monarch_section_parses_from_the_command_line():
      r"--monarch.min_replicas \(3\) is larger than --monarch.max_replicas \(2\)"),
     ({"monarch": MonarchConfig(enable=True, procs_per_replica=0)}, r"--monarch.procs_per_replica must be a positive"),
     ({"monarch": MonarchConfig(enable=True, fault="sigkill:step=x")}, r"--monarch.fault: bad fault field"),
+    ({"monarch": MonarchConfig(enable=True, hosts=["10.0.0.2:26600"])}, r"--monarch.hosts: '10.0.0.2:26600' is not"),
     ({"monarch": MonarchConfig(enable=True, procs_per_replica=2, max_replicas=8)},
      r"leaves some of up to 16 procs .* raise --training.local_batch_size"),
 ])
