@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import alive
+from conftest import WORKLOADS, alive
 
 pytestmark = pytest.mark.timeout(240)
 ABANDON_BACKSTOP_S = 5.0  # the bug held survivors in an abandoned formation for the 60 s collective timeout
@@ -104,7 +104,8 @@ def test_heal_that_cannot_finish_is_abandoned_and_its_recipient_treated_as_hung(
     run.start("--replicas", "2", "--min-replicas", "1", "--spares", "1", "--join-timeout", "120",
               "--collective-timeout", "120",
               "--fault", "sigkill:replica=1:step=5,hang:replica=2:at=heal_recipient",
-              script_args=_recipe(run, epochs=40))
+              script=WORKLOADS / "held_loop.py",  # trains on until the hung spare's replacement has joined
+              script_args=(*_recipe(run, epochs=12), "--replicas", "2", "--hold-for-regrow-from", "8"))
     assert run.wait(timeout=220) == 0, run.output
     abandoned = run.events("heal_abandoned")
     assert abandoned and abandoned[0]["recipients"] == [2] and abandoned[0]["donor"] == 0
@@ -113,4 +114,4 @@ def test_heal_that_cannot_finish_is_abandoned_and_its_recipient_treated_as_hung(
     stuck_at = next(f["ts"] for f in run.events("fault_injected") if f["replica"] == 2)
     assert hang[0]["ts"] - stuck_at < 60.0  # bounded by the heal (10 s floor), not the 120 s timeout
     _left_before_next_generation(run, 0, abandoned[0]["gen"])
-    _finished_identical(run, witnesses=[0], steps=40 * 16)
+    _finished_identical(run, witnesses=[0], steps=12 * 16)

@@ -46,7 +46,7 @@ def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_a
     run = elastic_run()
     run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "3",
               "--replicas-per-host", "1", "--host-timeout", "3", "--join-timeout", "120",
-              script=WORKLOADS / "multihost_loop.py",
+              script=WORKLOADS / "held_loop.py",
               script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
                            "--replicas", "3", "--hold-for-regrow-from", "10", "--out", str(run.out)))
     run.wait_for(lambda: all(run.progress(r) >= 3 for r in range(3)), timeout=150, what="three replicas training")

@@ -1,8 +1,9 @@
-"""The plain ElasticLoop for the multi-host tests: recipes/elastic_loop.py's model and checks, plus a hold.
+"""The plain ElasticLoop for tests that must see a regrow: recipes/elastic_loop.py's checks, plus a hold.
 
 With --hold-for-regrow-from K a group shrunk below --replicas waits, from step K on, until its grow is announced,
-so the test sees the replacement join on the host that came back, however slowly it attaches. Each replica
-writes its progress and, at the end, its step, weights checksum, per-epoch sample counts and host address.
+so a test sees the replacement join (on a host that came back, or after a recovery that itself failed) however
+slowly it starts, and need not train for long just to outlast it. Each replica writes its progress and, at the
+end, its step, weights checksum, per-epoch sample counts and host address (as the recipe's --out does).
 """
 
 from __future__ import annotations
