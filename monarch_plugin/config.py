@@ -179,10 +179,10 @@ class ElasticConfig:
         for name in ("join_timeout_s", "collective_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}", name)
-        if self.host_timeout_s < 2:
-            raise ConfigError(f"`host_timeout_s` must be 2 seconds or more, got {self.host_timeout_s}: the procs of a "
-                              "cut-off host must end themselves, a second before it is declared lost, and they "
-                              "touch the controller every half second", "host_timeout_s")
+        if self.host_timeout_s < 3:
+            raise ConfigError(f"`host_timeout_s` must be 3 seconds or more, got {self.host_timeout_s}: the procs of a "
+                              "cut-off host end themselves 2 s before it is declared lost, and need a second's lease "
+                              "to tell a cut link from a slow moment", "host_timeout_s")
         if self.replicas_per_host is not None and self.replicas_per_host < 1:
             raise ConfigError(f"`replicas_per_host` must be 1 or more, got {self.replicas_per_host}: or leave it "
                               "unset", "replicas_per_host")

@@ -6,9 +6,9 @@ but the procs behind it keep running (Monarch's agent kills them as orphans only
 moved on: a stale worker could write into the store, join a generation, or serve a heal. So every proc on
 another host (the workers and the host's watcher) holds a lease: a thread that touches the controller's store
 every `BEAT_S` over a connection of its own, and ends the process when its touches have failed or hung for
-`lease_s`. That is shorter than `host_timeout_s` by two beats and a margin, so the procs of a cut-off host are
+`lease_s`. That is shorter than `host_timeout_s` by two beats and a second, so the procs of a cut-off host are
 gone before the controller declares the host lost, and so before anything could reach it again. A thread merely
-starved of the GIL does not count: only a touch that was tried and failed or hung. A host the controller
+starved of the GIL does not count: only a touch that was tried and failed or hung (see `Lease._judge`). A host the controller
 declared lost anyway (`Key.host_lost`) ends its procs at their next touch.
 """
 
@@ -27,12 +27,13 @@ __all__ = ["BEAT_S", "Lease", "lease_s"]
 BEAT_S = 0.5
 """How often a lease touches the store (and a watcher beats)."""
 
-_MARGIN_S = 0.5
+_MARGIN_S = 1.0
 
 
 def lease_s(host_timeout_s: float) -> float:
     """How long a proc on another host keeps running without reaching the controller: the host timeout less two
-    beats (the controller may have seen a beat up to one later than the proc's last touch) and a margin."""
+    beats (its last touch may come a beat after the last beat the controller saw, and its hung touch may start a
+    beat after that) and a margin for the judge's own granularity."""
     return host_timeout_s - 2 * BEAT_S - _MARGIN_S
 
 
@@ -53,25 +54,42 @@ class Lease:
         self._lost_key = Key.host_lost(host)
         self._lease, self._what, self._beat_key = lease, what, beat_key
         self._last_ok = time.monotonic()
+        self._since: float | None = None  # when the touch in flight began
+        self._failing = False
         threading.Thread(target=self._touch, name="monarch-plugin-lease", daemon=True).start()
         threading.Thread(target=self._judge, name="monarch-plugin-lease-judge", daemon=True).start()
 
     def _touch(self) -> None:
         while True:
+            self._since = time.monotonic()
             try:
                 if self._beat_key is not None:
                     self._store.add(self._beat_key, 1)
                 if self._store.check([self._lost_key]):
                     self._end("its host was declared lost")
-                self._last_ok = time.monotonic()
+                self._last_ok, self._failing = time.monotonic(), False
             except Exception:  # noqa: BLE001 - the link may be down: the judge counts for how long
-                pass
+                self._failing = True
+            self._since = None
             time.sleep(BEAT_S)
 
     def _judge(self) -> None:
+        """End the process when a touch has hung for the lease, or touches have failed for it. When this thread
+        itself ran late (the GIL held by a long C call: an import, a kernel), the toucher was held up too, so it
+        gets two beats to touch before anything is judged."""
+        previous, grace = time.monotonic(), 0.0
         while True:
             time.sleep(BEAT_S / 2)
-            if time.monotonic() - self._last_ok >= self._lease:
+            now = time.monotonic()
+            if now - previous > 2 * BEAT_S:
+                grace = now + 2 * BEAT_S
+            previous = now
+            if now < grace:
+                continue
+            since = self._since
+            if since is not None and now - since >= self._lease:
+                self._end(f"a touch of the controller's store hung for {self._lease:.1f} s")
+            if self._failing and now - self._last_ok >= self._lease:
                 self._end(f"no contact with the controller for {self._lease:.1f} s")
 
     def _end(self, why: str) -> None:

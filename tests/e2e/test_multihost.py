@@ -45,7 +45,7 @@ def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_a
     net.wait_listed(3)
     run = elastic_run()
     run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "3",
-              "--replicas-per-host", "1", "--host-timeout", "3", "--join-timeout", "120",
+              "--replicas-per-host", "1", "--host-timeout", "4", "--join-timeout", "120",
               script=WORKLOADS / "held_loop.py",
               script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
                            "--replicas", "3", "--hold-for-regrow-from", "10", "--out", str(run.out)))

@@ -226,7 +226,7 @@ def main() -> None:
         knobs = dict(min_replicas=args.min_replicas, fault=args.fault, events_path=args.events,
                      checkpoint_dir=os.path.join(args.out, "ckpt"), join_timeout_s=120, spares=args.spares)
         if args.hosts_file:
-            knobs.update(hosts_file=args.hosts_file, store_host=args.store_host, host_timeout_s=3)
+            knobs.update(hosts_file=args.hosts_file, store_host=args.store_host, host_timeout_s=4)
         if args.fsdp:
             strategy = MonarchFSDPStrategy(procs_per_replica=args.fsdp, **knobs)
         else:

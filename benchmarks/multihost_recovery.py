@@ -1,0 +1,177 @@
+"""Recovery across machines beside one machine, in one invocation: a worker SIGKILLed, and a whole host lost.
+
+    python benchmarks/multihost_recovery.py --repeats 3      (as root: hosts are Linux network namespaces)
+
+Scenarios, each `--repeats` times, 3 replicas of the plain loop (tests/workloads/held_loop.py, tiny model: the
+numbers are the runtime's own costs, not a model's):
+  local   one machine (`monarch-run --replicas 3`): one worker SIGKILLed by this script (seen by the
+          controller's pidfd)
+  remote  three namespace hosts with a real `monarch-plugin host` agent each, one replica per host: one remote
+          worker SIGKILLed (seen by its host's watcher), then, in the same run once it regrew, a whole host
+          SIGKILLed, agent and all (lost after --host-timeout), its agent started again on a new port
+Reads the phases from the run's own events (monarch_plugin.report): kill -> detected, kill -> next committed
+step of the survivors, replacement spawn -> training. Writes <out>/multihost_recovery.json and prints a
+markdown table for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from monarch_plugin.events import EventLog, read_events
+from monarch_plugin.report import recoveries
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests"))
+import netns  # noqa: E402
+
+WORKLOAD = REPO / "tests" / "workloads" / "held_loop.py"
+HOST_TIMEOUT_S = 5.0
+
+
+def _events(path: Path) -> list[dict]:
+    return read_events(str(path)) if path.exists() else []
+
+
+def _wait(predicate, proc: subprocess.Popen, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise RuntimeError(f"run ended before {what}")
+        time.sleep(0.02)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def _progress(out: Path, replica: int) -> int:
+    try:
+        return int((out / f"progress-{replica}").read_text() or -1)
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def _kill(events_path: Path, replica: int, pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    EventLog(str(events_path), source="benchmark").emit("kill", replica=replica, pid=pids[0])
+
+
+def _start(work: Path, extra: list[str], epochs: int) -> tuple[subprocess.Popen, Path, Path]:
+    """No hold: the survivors train on while the replacement starts, as in production; the run is long enough
+    (11 steps an epoch) to see the replacement join."""
+    out = work / "out"
+    out.mkdir(parents=True)
+    events = work / "events.jsonl"
+    cmd = [sys.executable, "-m", "monarch_plugin.cli", "--events", str(events), "--replicas", "3",
+           "--join-timeout", "120", *extra, str(WORKLOAD), "--epochs", str(epochs), "--samples", "256",
+           "--batch", "24", "--step-sleep", "0.05", "--replicas", "3", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=work, stdout=open(work / "run.log", "w"), stderr=subprocess.STDOUT)
+    return proc, out, events
+
+
+def _phases(events: list[dict]) -> list[dict]:
+    return [{"detected_by": r.detected_by, **r.phases()} for r in recoveries(events)]
+
+
+def run_local(work: Path) -> list[dict]:
+    proc, out, events = _start(work, [], epochs=25)
+    try:
+        _wait(lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180, "three replicas training")
+        victim = next(e for e in _events(events) if e["event"] == "spawn" and e["replica"] == 1)
+        _kill(events, 1, victim["pids"])
+        if proc.wait(timeout=300) != 0:
+            raise RuntimeError(f"local run failed; see {work}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return _phases(_events(events))
+
+
+def run_remote(work: Path) -> list[dict]:
+    net = netns.NetnsHosts(3, work / "hosts")
+    proc = None
+    try:
+        for i in range(3):
+            net.start_agent(i)
+        net.wait_listed(3)
+        proc, out, events = _start(work, ["--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip,
+                                          "--replicas-per-host", "1", "--host-timeout", str(HOST_TIMEOUT_S)],
+                                   epochs=60)
+        _wait(lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180, "three replicas training")
+        on_host = {e["host"]: e for e in _events(events) if e["event"] == "spawn"}
+        worker = on_host[net.address(2)]
+        _kill(events, worker["replica"], worker["pids"])
+        _wait(lambda: sum(e["event"] == "quorum" for e in _events(events)) == 3, proc, 120, "the regrow")
+        time.sleep(1.0)
+        lost = on_host[net.address(1)]["replica"]
+        net.kill_host(1)
+        EventLog(str(events), source="benchmark").emit("kill", replica=lost, pid=-1)
+        _wait(lambda: any(e["event"] == "host_lost" for e in _events(events)), proc, 60, "the host lost")
+        net.start_agent(1, port=netns.AGENT_PORT + 1)
+        if proc.wait(timeout=300) != 0:
+            raise RuntimeError(f"remote run failed; see {work}")
+        return _phases(_events(events))
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        net.close()
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def table(results: dict) -> str:
+    def ms(x):
+        return "n/a" if x is None else f"{x * 1000:.0f} ms"
+
+    lines = ["| failure | seen by | kill -> detected | kill -> next committed step | replacement spawn -> training |",
+             "|---|---|---|---|---|"]
+    for name, rows in results.items():
+        seen_by = rows[0]["detected_by"].split(" (")[0].split(" on ")[0].replace(" tcp://", " ")
+        seen_by = "missing beats" if " lost" in seen_by else seen_by
+        lines.append(f"| {name} (median of {len(rows)}) | {seen_by} | "
+                     f"{ms(_median(rows, 'kill_to_detected'))} | {ms(_median(rows, 'kill_to_next_commit'))} | "
+                     f"{ms(_median(rows, 'replace_to_participating'))} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--work", default="/tmp/monarch_plugin_bench_multihost")
+    args = p.parse_args()
+    if netns.available():
+        sys.exit(f"multihost_recovery: {netns.available()}")
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    results: dict[str, list[dict]] = {"worker SIGKILLed, one machine": [], "worker SIGKILLed on another host": [],
+                                      "host lost (agent and workers SIGKILLed)": []}
+    for i in range(args.repeats):
+        results["worker SIGKILLed, one machine"] += run_local(work / f"local{i}")
+        remote = run_remote(work / f"remote{i}")
+        results["worker SIGKILLed on another host"].append(remote[0])
+        results["host lost (agent and workers SIGKILLed)"].append(remote[1])
+        print(json.dumps({"repeat": i, "local": results["worker SIGKILLed, one machine"][-1], "remote": remote}),
+              flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "multihost_recovery.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
