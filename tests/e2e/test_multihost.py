@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 import netns
 from conftest import WILDCARDS, WORKLOADS, alive, descendants, listeners, run_factory
@@ -148,3 +149,48 @@ def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(ligh
     assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
     spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
     assert spawned[max(spawned)] == net.address(1), spawned
+
+
+@pytest.fixture
+def hf_run(tmp_path):
+    pytest.importorskip("transformers")
+    from test_hf import HFRun
+
+    yield from run_factory(tmp_path, HFRun)
+
+
+def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, hosts):
+    net = hosts(2)
+    for i in range(2):
+        net.start_agent(i)
+    net.wait_listed(2)
+    # 2 replicas x 4 samples a global micro-batch, 2 micro-batches a step: 6 steps an epoch. The survivor holds
+    # step 8 until the replacement (on the host that came back) has joined.
+    epochs, samples, pause = 3, 96, 8
+    steps = epochs * samples // (4 * 2 * 2)
+    run = hf_run().start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "2",
+                         "--replicas-per-host", "1", "--host-timeout", "4", script_args=(
+                             "--replicas", "2", "--count", "--max-grad-norm", "0", "--batch", "4", "--accumulate", "2",
+                             "--samples", str(samples), "--epochs", str(epochs), "--step-sleep", "0.1",
+                             "--pause-at", str(pause)))
+    run.wait_for(lambda: run.progress(0) >= 2 and run.progress(1) >= 2, timeout=150, what="both replicas training")
+    on_host = {s["host"]: s["replica"] for s in run.events("spawn")}
+    victim, survivor = on_host[net.address(1)], on_host[net.address(0)]
+    net.kill_host(1)
+    run.wait_for(lambda: run.events("host_lost"), timeout=60, what="host 1 declared lost")
+    net.start_agent(1, port=netns.AGENT_PORT + 1)
+    run.wait_for(lambda: len(run.events("quorum")) == 3, timeout=150, what="the replacement admitted")
+    (run.out / "release").touch()
+    assert run.wait(timeout=150) == 0, run.output
+
+    results = run.results()
+    assert set(results) == {str(survivor), "2"}, run.output
+    assert {r["checksum"] for r in results.values()} == {results["2"]["checksum"]}
+    assert {(r["global_step"], r["train_output_step"]) for r in results.values()} == {(steps, steps)}
+    for r in results.values():  # every sample of every epoch in exactly one committed step
+        counts = torch.tensor(r["counts"])
+        torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+    assert [len(q["members"]) for q in run.events("quorum")] == [2, 1, 2]
+    assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
+    spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
+    assert spawned[2] == net.address(1), spawned
