@@ -103,9 +103,7 @@ def run_remote(work: Path) -> list[dict]:
     net = netns.NetnsHosts(3, work / "hosts")
     proc = None
     try:
-        for i in range(3):
-            net.start_agent(i)
-        net.wait_listed(3)
+        net.start_agents()
         proc, out, events = _start(work, ["--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip,
                                           "--replicas-per-host", "1", "--host-timeout", str(HOST_TIMEOUT_S)],
                                    epochs=60)

@@ -90,6 +90,12 @@ class NetnsHosts:
         )
         return self.address(i)
 
+    def start_agents(self) -> None:
+        """Start every host's agent, and return once all of them listen."""
+        for i in range(len(self.names)):
+            self.start_agent(i)
+        self.wait_listed(len(self.names))
+
     def wait_listed(self, count: int, timeout: float = 60.0) -> list[str]:
         """The first `count` addresses in the hosts file, once that many agents are listening."""
         deadline = time.monotonic() + timeout

@@ -39,11 +39,18 @@ def hosts(tmp_path):
         net.close()
 
 
+def _lose_host_and_bring_it_back(run, net: netns.NetnsHosts, i: int) -> None:
+    """SIGKILL every process of host i (a dead machine), wait until the run declares it lost, and start its agent
+    again on a new port (Monarch will not attach the lost address again)."""
+    lost = len(run.events("host_lost"))
+    net.kill_host(i)
+    run.wait_for(lambda: len(run.events("host_lost")) > lost, timeout=60, what=f"host {i} declared lost")
+    net.start_agent(i, port=netns.AGENT_PORT + 1)
+
+
 def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_and_regrown(elastic_run, hosts):
     net = hosts(3)
-    for i in range(3):
-        net.start_agent(i)
-    net.wait_listed(3)
+    net.start_agents()
     run = elastic_run()
     run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "3",
               "--replicas-per-host", "1", "--host-timeout", "4", "--join-timeout", "120",
@@ -69,9 +76,7 @@ def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_a
     # 2. A host dies whole: one generation change; no room until its agent is back (on a new port: Monarch will
     # not attach the lost address again), then the run regrows onto it.
     lost_whole = on_host[net.address(1)]
-    net.kill_host(1)
-    run.wait_for(lambda: run.events("host_lost"), timeout=60, what="host 1 declared lost")
-    net.start_agent(1, port=netns.AGENT_PORT + 1)
+    _lose_host_and_bring_it_back(run, net, 1)
     run.wait_for(lambda: len(run.events("quorum")) == 5, timeout=120, what="the regrow onto host 1")
 
     # 3. A host's link is cut: lost, and behind the cut its procs (the replacement worker from 1., the watcher)
@@ -126,18 +131,14 @@ def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(ligh
     from test_lightning import _every_sample_once_per_epoch
 
     net = hosts(2)
-    for i in range(2):
-        net.start_agent(i)
-    net.wait_listed(2)
+    net.start_agents()
     epochs, samples, batch = 6, 96, 8  # Trainer(devices=1, num_nodes=2): a global batch of 16, 6 steps an epoch
     run = lightning_run().start("--devices", "1", "--num-nodes", "2", "--hosts-file", str(net.hosts_file),
                                 "--store-host", net.controller_ip, "--epochs", str(epochs), "--samples", str(samples),
                                 "--batch", str(batch), "--step-sleep", "0.1", "--hold-for-regrow-from", "12")
     run.wait_for(lambda: run.progress(0) >= 3 and run.progress(1) >= 3, timeout=150, what="both replicas training")
     victim = next(s["replica"] for s in run.events("spawn") if s["host"] == net.address(1))
-    net.kill_host(1)
-    run.wait_for(lambda: run.events("host_lost"), timeout=60, what="host 1 declared lost")
-    net.start_agent(1, port=netns.AGENT_PORT + 1)
+    _lose_host_and_bring_it_back(run, net, 1)
     assert run.wait(timeout=240) == 0, run.output
 
     result = run.result()
@@ -161,9 +162,7 @@ def hf_run(tmp_path):
 
 def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, hosts):
     net = hosts(2)
-    for i in range(2):
-        net.start_agent(i)
-    net.wait_listed(2)
+    net.start_agents()
     # 2 replicas x 4 samples a global micro-batch, 2 micro-batches a step: 6 steps an epoch. The survivor holds
     # step 8 until the replacement (on the host that came back) has joined.
     epochs, samples, pause = 3, 96, 8
@@ -176,9 +175,7 @@ def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, h
     run.wait_for(lambda: run.progress(0) >= 2 and run.progress(1) >= 2, timeout=150, what="both replicas training")
     on_host = {s["host"]: s["replica"] for s in run.events("spawn")}
     victim, survivor = on_host[net.address(1)], on_host[net.address(0)]
-    net.kill_host(1)
-    run.wait_for(lambda: run.events("host_lost"), timeout=60, what="host 1 declared lost")
-    net.start_agent(1, port=netns.AGENT_PORT + 1)
+    _lose_host_and_bring_it_back(run, net, 1)
     run.wait_for(lambda: len(run.events("quorum")) == 3, timeout=150, what="the replacement admitted")
     (run.out / "release").touch()
     assert run.wait(timeout=150) == 0, run.output
