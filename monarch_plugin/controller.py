@@ -201,7 +201,6 @@ class ElasticController:
             "MONARCH_PLUGIN_STORE_PORT": str(self.store.port),
             # The replica's own group stays on its host's loopback, gloo's sockets included.
             "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port()),
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "WORLD_SIZE": str(k),
             "LOCAL_WORLD_SIZE": str(k),
@@ -210,6 +209,7 @@ class ElasticController:
             **self.hosts.env_for(replica.rid),
         }
         try:
+            env["MASTER_PORT"] = str(self.hosts.free_port(replica.rid))  # free there, not here
             mesh_name, control_name, actor_name = mesh_names(replica.rid)
             mesh = self.hosts.spawn_procs(replica.rid, k, mesh_name)
             replica.mesh = mesh
@@ -600,9 +600,3 @@ class ElasticController:
             replica.mesh.stop().get(timeout=10)
         except Exception:  # noqa: BLE001 - a mesh holding a dead proc may refuse; the kill follows
             pass
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

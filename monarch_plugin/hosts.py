@@ -51,6 +51,7 @@ class Host:
     gpus: GpuPlan | None = None
     mesh: Any = None
     watcher: Any = None
+    watcher_procs: Any = None
     live: bool = True
     held: dict[int, int] = field(default_factory=dict)
     """replica -> the slot it holds."""
@@ -122,9 +123,16 @@ class Hosts:
         threading.Thread(target=self._watch_hosts, name="monarch-plugin-hosts", daemon=True).start()
 
     def close(self) -> None:
+        """Stop watching, and stop the watchers: none outlives the run (a cut-off one ends by its lease)."""
         self._closing.set()
         if self._local is not None:
             self._local.close()
+        stoppers = [threading.Thread(target=_stop, args=(h.watcher_procs,), daemon=True)
+                    for h in self.hosts if h.live and h.watcher_procs is not None]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join(timeout=_CALL_S)
 
     # -- placement ------------------------------------------------------------------------------------------
 
@@ -153,6 +161,13 @@ class Hosts:
         if host.gpus is not None:
             env.update(host.gpus.env_for_slot(host.held[replica]))
         return env
+
+    def free_port(self, replica: int) -> int:
+        """A loopback port free on the replica's host, for its own rendezvous."""
+        from monarch_plugin.worker.watcher import loopback_port
+
+        host = self.host_of(replica)
+        return loopback_port() if host.watcher is None else host.watcher.free_port.call_one().get(timeout=_CALL_S)
 
     def spawn_procs(self, replica: int, procs: int, name: str):
         host = self.host_of(replica)
@@ -242,7 +257,7 @@ class Hosts:
             self._failures.append((address, why))
             self.events.emit("host_refused", host=index, address=address, reason=why)
             return None
-        host.mesh, host.watcher = mesh, watcher
+        host.mesh, host.watcher, host.watcher_procs = mesh, watcher, procs
         host.slots, host.gpus = self._slots(machine)
         host.heard_at = time.monotonic()
         host.live = True
@@ -302,3 +317,10 @@ class Hosts:
         host = self._attach(address)
         if host is not None:
             self._report.put(("host_up", host.index, None))
+
+
+def _stop(procs) -> None:
+    try:
+        procs.stop().get(timeout=_CALL_S)
+    except Exception:  # noqa: BLE001 - an unreachable host's watcher ends by its lease
+        pass

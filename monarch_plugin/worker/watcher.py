@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 
 from monarch.actor import Actor, endpoint
 
@@ -21,7 +22,15 @@ from monarch_plugin.pidwatch import PidWatch
 from monarch_plugin.protocol import Key
 from monarch_plugin.worker.lease import Lease
 
-__all__ = ["HostWatcher"]
+__all__ = ["HostWatcher", "loopback_port"]
+
+
+def loopback_port() -> int:
+    """A port free on this machine's loopback now: a replica's own rendezvous (`MASTER_PORT`) listens there. Ask
+    the replica's host, not the controller's: a port free on one machine may be taken on another."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class HostWatcher(Actor):
@@ -49,6 +58,10 @@ class HostWatcher(Actor):
     @endpoint
     def watch(self, replica: int, pids: list[int]) -> None:
         self._pids.watch(replica, pids)
+
+    @endpoint
+    def free_port(self) -> int:
+        return loopback_port()
 
     @endpoint
     def kill(self, replica: int) -> None:
