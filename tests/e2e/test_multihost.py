@@ -48,6 +48,12 @@ def _lose_host_and_bring_it_back(run, net: netns.NetnsHosts, i: int) -> None:
     net.start_agent(i, port=netns.AGENT_PORT + 1)
 
 
+def _nothing_outlives(run) -> None:
+    """No worker and no host's watcher outlived the run, on any host."""
+    pids = [pid for pids in run.pids().values() for pid in pids] + [e["watcher_pid"] for e in run.events("host_up")]
+    assert not [pid for pid in pids if alive(pid)], pids
+
+
 def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_and_regrown(elastic_run, hosts):
     net = hosts(3)
     net.start_agents()
@@ -115,8 +121,7 @@ def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_a
     survivor = on_host[net.address(0)]  # in every generation: it trained every sample of every epoch
     for epoch, counts in enumerate(results[survivor]["seen"]):
         assert set(counts) == {1.0}, f"replica {survivor} epoch {epoch}"
-    for pids in run.pids().values():  # no worker outlived the run, on any host
-        assert not any(alive(pid) for pid in pids)
+    _nothing_outlives(run)
 
 
 @pytest.fixture
@@ -150,6 +155,7 @@ def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(ligh
     assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
     spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
     assert spawned[max(spawned)] == net.address(1), spawned
+    _nothing_outlives(run)
 
 
 @pytest.fixture
@@ -191,3 +197,52 @@ def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, h
     assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
     spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
     assert spawned[2] == net.address(1), spawned
+    _nothing_outlives(run)
+
+
+@pytest.fixture
+def titan_run(tmp_path):
+    pytest.importorskip("torchtitan")
+    from test_torchtitan import TitanRun
+
+    yield from run_factory(tmp_path, TitanRun)
+
+
+def test_torchtitan_on_two_hosts_survives_losing_one_and_regrows_onto_it(titan_run, hosts, monkeypatch):
+    from test_torchtitan import GLOBAL_BATCH, SEQ_LEN, STEPS, _final_records
+
+    # The same environment on every host, as with torchrun: the agents (and so the replicas) find the probe.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(WORKLOADS), os.environ.get("PYTHONPATH", "")]))
+    net = hosts(2)
+    net.start_agents()
+    # Each replica is 2 FSDP procs on one host (their group on its loopback); the replicas reduce across hosts.
+    run = titan_run().start("--monarch.hosts_file", str(net.hosts_file), "--monarch.store_host", net.controller_ip,
+                            "--monarch.replicas_per_host", "1", "--monarch.host_timeout_s", "4",
+                            "--probe.shrunk_steps", "2")
+    run.wait_for(lambda: run.progress(0) >= 2 and run.progress(1) >= 2, timeout=200, what="both replicas training")
+    on_host = {s["host"]: s["replica"] for s in run.events("spawn")}
+    victim, survivor = on_host[net.address(1)], on_host[net.address(0)]
+    _lose_host_and_bring_it_back(run, net, 1)
+    assert run.wait(timeout=240) == 0, run.output
+
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1], [survivor], [survivor, 2]]
+    assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
+    spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
+    assert spawned[2] == net.address(1), spawned
+    # Healed across hosts, shard by shard, from the survivor's two procs.
+    assert {h["source"] for h in run.events("heal") if 2 in h["recipients"]} == {f"replica{survivor}.{k}"
+                                                                                  for k in (0, 1)}
+    outcome = run.outcome()
+    assert set(outcome) == {(survivor, 0), (survivor, 1), (2, 0), (2, 1)}, run.output
+    assert {o["step"] for o in outcome.values()} == {STEPS}
+    for local in (0, 1):
+        assert outcome[survivor, local]["checksum"] == outcome[2, local]["checksum"]
+    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
+    final = _final_records(run.steps())
+    assert sorted(final) == list(range(1, STEPS + 1))
+    for step, records in final.items():  # the survivor's records witness what each step trained
+        mine = [i for r in records if r["pid"] in run.pids()[survivor] for i in r["samples"]]
+        batch = set(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
+        assert len(set(mine)) == len(mine) == GLOBAL_BATCH // records[0]["replicas"], (step, records)
+        assert set(mine) <= batch, (step, records)
+    _nothing_outlives(run)
