@@ -39,7 +39,8 @@ class ElasticConfig:
     message instead of waiting or respawning (torchrun's --nnodes MIN)."""
 
     max_replicas: int | None = None
-    """Most replicas ever live at once. None means ``replicas``."""
+    """Most replicas the run trains on at once; the global batch is planned for it. With ``hosts``, a machine that
+    joins mid-run grows the run from ``replicas`` up to it. None means ``replicas``."""
 
     procs_per_replica: int = 1
     """Processes in one replica group (1 for DDP; k for FSDP sharded over k procs inside a replica).

@@ -98,6 +98,8 @@ class ElasticController:
         self.deaths = 0
         self.restarts = 0
         self.early_deaths = 0
+        self.wanted = config.replicas
+        """The size the run trains at when it can: `replicas`, grown up to `max_replicas` by machines that join."""
         self._q: queue.Queue = queue.Queue()
         # On one machine: plans its GPUs now (ConfigError if short). On several: each must see these paths.
         shared = [os.getcwd(), os.path.dirname(os.path.abspath(config.events_path or "x"))]
@@ -105,7 +107,7 @@ class ElasticController:
             shared.append(os.path.abspath(target.entry))
         self.hosts = Hosts(config, self.events, self._q, shared)
         self._closing = threading.Event()
-        self._respawn_at: list[float] = []
+        self._respawn_at: list[tuple[float, bool]] = []  # (when, whether it replaces a loss: counts as a restart)
         self._no_room = False
         self.store: dist.TCPStore | None = None
         self._listener: socket.socket | None = None
@@ -144,7 +146,7 @@ class ElasticController:
             for _ in range(self.config.replicas):
                 self._spawn(initial=True)
             for _ in range(self.config.spares):
-                self._spawn(initial=False, spare=True)  # hot spares: they wait, ready, to be admitted
+                self._spawn(initial=False, restart=False)  # hot spares: they wait, ready, to be admitted
             self._wait_for_initial()
             self._supervise()
             return RunResult(
@@ -172,8 +174,9 @@ class ElasticController:
                 "`spares`): add hosts, raise `replicas_per_host`, or start fewer", "replicas"
             )
 
-    def _spawn(self, initial: bool, spare: bool = False) -> bool:
-        """Start a replica on the host with the most room; False if no host has room (nothing is started)."""
+    def _spawn(self, initial: bool, restart: bool = True) -> bool:
+        """Start a replica on the host with the most room; False if no host has room (nothing is started).
+        `restart`: it replaces a lost one (a spare, or growth onto a new machine, is not a restart)."""
         spot = policies.place(self.hosts.rooms())
         if spot is None:
             return False
@@ -181,7 +184,7 @@ class ElasticController:
         replica = _Replica(rid=rid, initial=initial, host=spot[0], spawned_at=time.time())
         self.replicas[rid] = replica
         self.hosts.take(rid, *spot)
-        if not initial and not spare:
+        if not initial and restart:
             self.restarts += 1
         spawner = threading.Thread(target=self._spawn_worker, args=(replica,), daemon=True, name=f"spawn-{rid}")
         self._spawners.append(spawner)
@@ -310,7 +313,7 @@ class ElasticController:
             self._on_host_lost(rid, payload)
             return
         if kind == "host_up":
-            self._on_host_up()
+            self._on_host_up(rid, returning=payload)
             return
         if kind == "spawned":
             return
@@ -357,10 +360,18 @@ class ElasticController:
         self.events.emit("host_lost", host=self.hosts.hosts[host].name, replicas=[r.rid for r in lost], reason=how)
         self._on_deaths(lost, how)
 
-    def _on_host_up(self) -> None:
-        """A host joined (a new machine, or one that came back): replicas waiting for room can go there."""
-        if not self._closing.is_set():
-            self._schedule_respawn()
+    def _on_host_up(self, host: int, returning: bool) -> None:
+        """A host joined: replicas waiting for room can go there; a new machine (not one that came back) also
+        grows the run, up to `max_replicas`."""
+        if self._closing.is_set():
+            return
+        if not returning:
+            grown = policies.grown(self.wanted, self.hosts.hosts[host].slots, self.config)
+            if grown > self.wanted:
+                self.events.emit("grow", host=self.hosts.hosts[host].name, replicas=grown, was=self.wanted)
+                self._respawn_at += [(time.monotonic(), False)] * (grown - self.wanted)
+                self.wanted = grown
+        self._schedule_respawn()
 
     def _on_deaths(self, replicas: list[_Replica], how: str) -> None:
         dead = [r for r in replicas if r.state not in (ReplicaState.DEAD, ReplicaState.FINISHED, ReplicaState.STOPPED)]
@@ -390,7 +401,7 @@ class ElasticController:
             if why:
                 self._give_up(why)
                 return
-            members = policies.next_members(survivors, self._ready_waiting(), self.config)
+            members = policies.next_members(survivors, self._ready_waiting(), self.wanted)
             who = f"replica {lost_members[0]}" if len(lost_members) == 1 else f"replicas {lost_members}"
             self._announce(members, reason=f"{who} died", interrupt=True)
         why = policies.crash_loop(self.early_deaths, self.config)
@@ -402,20 +413,20 @@ class ElasticController:
 
     def _schedule_respawn(self) -> None:
         live = sum(r.state.live for r in self.replicas.values())
-        if not policies.respawn_wanted(live, len(self._respawn_at), self.config):
+        if not policies.respawn_wanted(live, len(self._respawn_at), self.wanted, self.config):
             return
-        why = policies.respawn_refused(self.restarts, len(self._respawn_at), self.config)
+        why = policies.respawn_refused(self.restarts, sum(r for _, r in self._respawn_at), self.config)
         if why:
             self.events.emit("no_respawn", reason=why)
             return
         delay = policies.respawn_delay(self.early_deaths, self.config)
-        self._respawn_at.append(time.monotonic() + delay)
+        self._respawn_at.append((time.monotonic() + delay, True))
         self.events.emit("respawn_scheduled", delay=delay, restarts=self.restarts, early_deaths=self.early_deaths)
 
     def _respawn_due(self) -> None:
         now = time.monotonic()
-        for t in [t for t in self._respawn_at if t <= now]:
-            if not self._spawn(initial=False):
+        for due in [due for due in self._respawn_at if due[0] <= now]:
+            if not self._spawn(initial=False, restart=due[1]):
                 if not self._no_room:
                     self._no_room = True
                     self.events.emit("no_room", waiting=len(self._respawn_at),
@@ -423,7 +434,7 @@ class ElasticController:
                                             "host joins or comes back")
                 return  # it stays due: tried again when a host has room
             self._no_room = False
-            self._respawn_at.remove(t)
+            self._respawn_at.remove(due)
 
     def _ready_waiting(self) -> list[int]:
         return [r.rid for r in self.replicas.values() if r.state == ReplicaState.WAITING]
@@ -434,7 +445,7 @@ class ElasticController:
         current = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         if len(current) != len(self.members):
             return  # the generation is finishing or changing; admit at the next one
-        newcomers = policies.admit(current, self._ready_waiting(), self.config)
+        newcomers = policies.admit(current, self._ready_waiting(), self.wanted)
         if newcomers and self._formed(self.gen):  # a grow moves members only at a step boundary they share
             self._announce(current + newcomers, reason=f"replica(s) {newcomers} ready", interrupt=False)
 

@@ -11,7 +11,8 @@ second: a machine added to it, or an agent restarted on a new port (Monarch does
 has marked lost), joins the run.
 
 Every death or loss becomes one item on the controller's queue: `("died", replica, how)`,
-`("host_lost", host, how)` or `("host_up", host, None)`.
+`("host_lost", host, how)` or `("host_up", host, returning)`; `returning`: an agent on the address (IP) of a host
+attached before, so a machine that came back, not new capacity.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class Host:
     watcher: Any = None
     watcher_procs: Any = None
     live: bool = True
+    returning: bool = False
+    """Another agent on this machine's IP was attached before (it came back, or restarted on a new port)."""
     held: dict[int, int] = field(default_factory=dict)
     """replica -> the slot it holds."""
     beats: int = -1
@@ -261,8 +264,9 @@ class Hosts:
         host.slots, host.gpus = self._slots(machine)
         host.heard_at = time.monotonic()
         host.live = True
+        host.returning = any(h.ip == host.ip and h.watcher is not None for h in self.hosts[:index])
         self.events.emit("host_up", host=index, address=address, slots=host.slots, watcher_pid=machine["pid"],
-                         seconds=round(time.monotonic() - t0, 3))
+                         returning=host.returning, seconds=round(time.monotonic() - t0, 3))
         return host
 
     def _slots(self, machine: dict) -> tuple[int, GpuPlan | None]:
@@ -316,7 +320,7 @@ class Hosts:
     def _attach_late(self, address: str) -> None:
         host = self._attach(address)
         if host is not None:
-            self._report.put(("host_up", host.index, None))
+            self._report.put(("host_up", host.index, host.returning))
 
 
 def _stop(procs) -> None:

@@ -9,22 +9,28 @@ from __future__ import annotations
 
 from monarch_plugin.config import ElasticConfig
 
-__all__ = ["MAX_BACKOFF_S", "admit", "below_min", "crash_loop", "next_members", "place", "respawn_delay",
+__all__ = ["MAX_BACKOFF_S", "admit", "below_min", "crash_loop", "grown", "next_members", "place", "respawn_delay",
            "respawn_refused", "respawn_wanted"]
 
 MAX_BACKOFF_S = 30.0
 """The longest a replacement waits after replacements that died before joining."""
 
 
-def next_members(survivors: list[int], waiting: list[int], config: ElasticConfig) -> list[int]:
+def next_members(survivors: list[int], waiting: list[int], wanted: int) -> list[int]:
     """The generation after a death: the survivors, then ready replicas (hot spares, replacements that finished
-    starting) in the order they became ready, up to `replicas`."""
-    return survivors + waiting[: max(config.replicas - len(survivors), 0)]
+    starting) in the order they became ready, up to the `wanted` size (`grown`)."""
+    return survivors + waiting[: max(wanted - len(survivors), 0)]
 
 
-def admit(members: list[int], waiting: list[int], config: ElasticConfig) -> list[int]:
-    """Ready replicas to grow the current generation with, up to `replicas`; the rest wait as hot spares."""
-    return waiting[: max(config.replicas - len(members), 0)]
+def admit(members: list[int], waiting: list[int], wanted: int) -> list[int]:
+    """Ready replicas to grow the current generation with, up to `wanted`; the rest wait as hot spares."""
+    return waiting[: max(wanted - len(members), 0)]
+
+
+def grown(wanted: int, slots: int, config: ElasticConfig) -> int:
+    """The run's size once a machine joins mid-run with room for `slots` replicas: new capacity grows it, from
+    `replicas` up to `max_replicas` (a host that comes back only gives room to the replicas it lost)."""
+    return min(wanted + slots, config.max_replicas)
 
 
 def below_min(survivors: int, config: ElasticConfig) -> str | None:
@@ -43,9 +49,9 @@ def crash_loop(early_deaths: int, config: ElasticConfig) -> str | None:
             "the training code or the environment; see the worker logs")
 
 
-def respawn_wanted(live: int, scheduled: int, config: ElasticConfig) -> bool:
-    """Whether a replica is missing: fewer live and scheduled than `replicas` plus `spares`."""
-    return live + scheduled < config.replicas + config.spares
+def respawn_wanted(live: int, scheduled: int, wanted: int, config: ElasticConfig) -> bool:
+    """Whether a replica is missing: fewer live and scheduled than the `wanted` size plus `spares`."""
+    return live + scheduled < wanted + config.spares
 
 
 def respawn_refused(restarts: int, scheduled: int, config: ElasticConfig) -> str | None:

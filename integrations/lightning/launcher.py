@@ -55,7 +55,8 @@ hosts `replicas_per_host` is `devices` over `procs_per_replica`."""
 _FIELD_ARGUMENT = {field: name for name, field in ARGUMENTS.items()}
 
 _LIGHTNING_DOCS = {
-    "max_replicas": "Most replicas ever live at once. None means the replicas `devices` starts.",
+    "max_replicas": ("Most replicas trained on at once; with `hosts`, a machine that joins mid-run grows the run up "
+                     "to it. None means the replicas `devices` starts."),
     "cross_backend": 'torch.distributed backend within and across replicas: "auto" (nccl on CUDA and ROCm builds, '
                      'where it is RCCL; gloo on CPU), "gloo" or "nccl".',
     "hosts": "Monarch host agents to run the replicas on, one per machine, as `tcp://IP:PORT` (start one with "

@@ -43,7 +43,8 @@ class MonarchConfig:
     """
 
     max_replicas: int | None = None
-    """Most replicas live at once (None: `replicas`)."""
+    """Most replicas trained on at once; with `hosts`, a machine that joins mid-run grows the run up to it (None:
+    `replicas`)."""
 
     procs_per_replica: int = 1
     """

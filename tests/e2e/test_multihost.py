@@ -54,16 +54,25 @@ def _nothing_outlives(run) -> None:
     assert not [pid for pid in pids if alive(pid)], pids
 
 
-def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_and_regrown(elastic_run, hosts):
+def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_one_generation_change(elastic_run,
+                                                                                                     hosts):
     net = hosts(3)
-    net.start_agents()
+    for i in (0, 1):
+        net.start_agent(i)
+    net.wait_listed(2)
     run = elastic_run()
-    run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "3",
-              "--replicas-per-host", "1", "--host-timeout", "4", "--join-timeout", "120",
+    run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "2",
+              "--max-replicas", "3", "--replicas-per-host", "1", "--host-timeout", "4", "--join-timeout", "120",
               script=WORKLOADS / "held_loop.py",
               script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
                            "--replicas", "3", "--hold-for-regrow-from", "10", "--out", str(run.out)))
-    run.wait_for(lambda: all(run.progress(r) >= 3 for r in range(3)), timeout=150, what="three replicas training")
+    run.wait_for(lambda: all(run.progress(r) >= 3 for r in range(2)), timeout=150, what="two replicas training")
+
+    # 0. A new machine joins mid-run (its agent lists itself): the run grows onto it, up to --max-replicas.
+    net.start_agent(2)
+    run.wait_for(lambda: len(run.events("quorum")) == 2, timeout=120, what="the grow onto host 2")
+    assert [(e["host"], e["replicas"]) for e in run.events("grow")] == [(net.address(2), 3)]
+    run.wait_for(lambda: run.progress(2) >= 3, timeout=60, what="the third replica training")
     on_host = {s["host"]: s["replica"] for s in run.events("spawn")}
     assert sorted(on_host) == sorted(net.address(i) for i in range(3)), on_host  # one replica per host
 
@@ -77,13 +86,13 @@ def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_a
     # 1. A worker on another host dies: its host's watcher reports it; the replacement goes where room freed.
     dead_worker = on_host[net.address(2)]
     os.kill(next(s["pids"][0] for s in run.events("spawn") if s["replica"] == dead_worker), signal.SIGKILL)
-    run.wait_for(lambda: len(run.events("quorum")) == 3, timeout=120, what="the regrow after the worker death")
+    run.wait_for(lambda: len(run.events("quorum")) == 4, timeout=120, what="the regrow after the worker death")
 
     # 2. A host dies whole: one generation change; no room until its agent is back (on a new port: Monarch will
     # not attach the lost address again), then the run regrows onto it.
     lost_whole = on_host[net.address(1)]
     _lose_host_and_bring_it_back(run, net, 1)
-    run.wait_for(lambda: len(run.events("quorum")) == 5, timeout=120, what="the regrow onto host 1")
+    run.wait_for(lambda: len(run.events("quorum")) == 6, timeout=120, what="the regrow onto host 1")
 
     # 3. A host's link is cut: lost, and behind the cut its procs (the replacement worker from 1., the watcher)
     # end themselves before the link is back, so they can change nothing after it.
@@ -105,8 +114,9 @@ def test_remote_death_lost_host_and_cut_link_each_one_generation_change_fenced_a
     assert [e["replicas"] for e in lost] == [[lost_whole], [cut_off]], lost
     assert [e["host"] for e in lost] == [f"tcp://{net.ip(i)}:{netns.AGENT_PORT}" for i in (1, 2)]
     quorums = run.events("quorum")
-    assert [len(q["members"]) for q in quorums] == [3, 2, 3, 2, 3, 2, 3], quorums
-    assert all(q["interrupt"] for q in quorums[1::2]) and len(run.events("no_room")) >= 2
+    assert [len(q["members"]) for q in quorums] == [2, 3, 2, 3, 2, 3, 2, 3], quorums
+    assert all(q["interrupt"] for q in quorums[2::2]) and len(run.events("no_room")) >= 2
+    assert [e["returning"] for e in run.events("host_up")] == [False, False, False, True, True]
     spawned = [(s["replica"], s["host"]) for s in run.events("spawn")][3:]
     assert [host for _, host in spawned] == [f"tcp://{net.ip(2)}:{netns.AGENT_PORT}",
                                              f"tcp://{net.ip(1)}:{netns.AGENT_PORT + 1}",

@@ -11,11 +11,17 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_after_a_death_survivors_then_ready_replicas_train_up_to_the_target_size():
-    config = ElasticConfig(replicas=3, spares=2)
-    assert policies.next_members([0, 2], [4, 5], config) == [0, 2, 4]  # one spare in; the other stays a spare
-    assert policies.next_members([0], [], config) == [0]
-    assert policies.admit([0, 2], [4, 5], config) == [4]
-    assert policies.admit([0, 1, 2], [4], config) == []  # full: a ready replacement waits as a hot spare
+    assert policies.next_members([0, 2], [4, 5], wanted=3) == [0, 2, 4]  # one spare in; the other stays a spare
+    assert policies.next_members([0], [], wanted=3) == [0]
+    assert policies.admit([0, 2], [4, 5], wanted=3) == [4]
+    assert policies.admit([0, 1, 2], [4], wanted=3) == []  # full: a ready replacement waits as a hot spare
+
+
+def test_a_machine_joining_mid_run_grows_the_run_up_to_max_replicas():
+    config = ElasticConfig(replicas=2, max_replicas=5)
+    assert policies.grown(2, slots=2, config=config) == 4
+    assert policies.grown(4, slots=2, config=config) == 5
+    assert policies.grown(2, slots=1, config=ElasticConfig(replicas=2)) == 2  # max_replicas defaults to replicas
 
 
 def test_too_few_survivors_stop_the_run_naming_the_setting():
@@ -35,8 +41,9 @@ def test_replacements_that_die_before_joining_back_off_then_stop_the_run():
 
 def test_a_replica_is_respawned_only_while_one_is_missing_and_restarts_are_left():
     config = ElasticConfig(replicas=2, spares=1, max_restarts=2)
-    assert policies.respawn_wanted(live=2, scheduled=0, config=config)  # the spare is missing
-    assert not policies.respawn_wanted(live=2, scheduled=1, config=config)
+    assert policies.respawn_wanted(live=2, scheduled=0, wanted=2, config=config)  # the spare is missing
+    assert not policies.respawn_wanted(live=2, scheduled=1, wanted=2, config=config)
+    assert policies.respawn_wanted(live=3, scheduled=0, wanted=3, config=config)  # grown by a machine
     assert policies.respawn_refused(restarts=1, scheduled=0, config=config) is None
     assert policies.respawn_refused(restarts=1, scheduled=1, config=config) == "`max_restarts` 2 used"
 
