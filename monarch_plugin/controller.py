@@ -110,7 +110,6 @@ class ElasticController:
         self._respawn_at: list[tuple[float, bool]] = []  # (when, whether it replaces a loss: counts as a restart)
         self._no_room = False
         self.store: dist.TCPStore | None = None
-        self._listener: socket.socket | None = None
         self._last_death = ""
         self._spawners: list[threading.Thread] = []
         self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
@@ -126,13 +125,7 @@ class ElasticController:
         previous_hook = monarch.actor.unhandled_fault_hook
         monarch.actor.unhandled_fault_hook = self._on_mesh_failure
         try:
-            # Bound by us, so it listens on `store_host` only (TCPStore's own listener takes every interface).
-            self._listener = socket.create_server((self.config.store_host, 0), backlog=128)
-            self.store = dist.TCPStore(
-                self.config.store_host, self._listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.config.join_timeout_s),
-                master_listen_fd=self._listener.fileno(),
-            )
+            self.store = _store_on(self.config.store_host, self.config.join_timeout_s)
             self.store.set(Key.LATEST, "-1")
             if self.config.events_path:  # one file per run, so reports never mix runs
                 open(self.config.events_path, "w").close()
@@ -600,8 +593,7 @@ class ElasticController:
         for replica in self.replicas.values():
             self.hosts.kill(replica.rid)  # whatever a stop left behind
         self.hosts.close()
-        if self._listener is not None:
-            self._listener.close()
+        self.store = None  # with the hosts' reference (closed above), the last: the store stops listening now
 
     def _stop_mesh(self, replica: _Replica) -> None:
         if replica.mesh is None or replica.mesh_stopped or not self.hosts.hosts[replica.host].live:
@@ -611,3 +603,19 @@ class ElasticController:
             replica.mesh.stop().get(timeout=10)
         except Exception:  # noqa: BLE001 - a mesh holding a dead proc may refuse; the kill follows
             pass
+
+
+def _store_on(host: str, timeout_s: float) -> dist.TCPStore:
+    """The run's rendezvous store, listening on `host` only: TCPStore's own listener would take every interface,
+    so it is given a socket bound here. The store owns that socket from then on and closes it when it goes: a
+    second close by us could close whatever file took the same number meanwhile."""
+    listener = socket.create_server((host, 0), backlog=128)
+    try:
+        store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()
+    return store
+

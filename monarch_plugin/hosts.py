@@ -136,6 +136,7 @@ class Hosts:
             t.start()
         for t in stoppers:
             t.join(timeout=_CALL_S)
+        self._store = None
 
     # -- placement ------------------------------------------------------------------------------------------
 
