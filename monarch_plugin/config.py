@@ -113,7 +113,25 @@ class ElasticConfig:
     emptied when a run starts. None: ``$MONARCH_PLUGIN_EVENTS`` or ``./monarch_events.jsonl``."""
 
     checkpoint_dir: str = "monarch_checkpoints"
-    """Where the durable checkpoint is written when the run gives up (one writer)."""
+    """Where durable checkpoints are written: when the run gives up, and every ``checkpoint_steps`` /
+    ``checkpoint_interval_s`` (one writer; `monarch_plugin.worker.checkpoint`)."""
+
+    checkpoint_steps: int = 0
+    """An `ElasticLoop` run writes a durable checkpoint every this many committed steps, from one replica, while
+    training goes on: what a relaunch resumes from if the controller itself is lost. 0: only when the run gives
+    up. (Lightning, HF and torchtitan runs use their own checkpointing.)"""
+
+    checkpoint_interval_s: float = 0.0
+    """Also write one every this many seconds (at the next committed step), as ``checkpoint_steps`` does; 0: off."""
+
+    checkpoint_keep: int = 3
+    """Periodic checkpoints kept (as HF's ``save_total_limit``): once one is on disk, all but the newest this many
+    are deleted. 0: keep every one."""
+
+    resume: str | None = None
+    """Start from a durable checkpoint: "auto" for the newest complete one in ``checkpoint_dir`` (from scratch if
+    there is none yet), or the path of one of its files. Any number of replicas may resume it. None: from
+    scratch."""
 
     fault: str | None = None
     """Opt-in fault injection for demos, tests and benchmarks, e.g. "sigkill:replica=1:step=20", or several
@@ -171,10 +189,10 @@ class ElasticConfig:
                 "'constant_global' the global batch, and so the right learning rate, never changes)",
                 "scale_lr_with_replicas",
             )
-        for name in ("max_restarts", "crash_loop_limit", "spares"):
+        for name in ("max_restarts", "crash_loop_limit", "spares", "checkpoint_steps", "checkpoint_keep"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be 0 or more, got {getattr(self, name)}", name)
-        for name in ("restart_backoff_s",):
+        for name in ("restart_backoff_s", "checkpoint_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be 0 or more seconds, got {getattr(self, name)}", name)
         for name in ("join_timeout_s", "collective_timeout_s"):
@@ -189,6 +207,13 @@ class ElasticConfig:
                               "unset", "replicas_per_host")
         for address in self.hosts:
             parse_host(address)
+        if self.checkpoint_interval_s and self.procs_per_replica > 1:
+            raise ConfigError("`checkpoint_interval_s` needs `procs_per_replica` 1 (each proc of a replica would "
+                              "go by its own clock and write its shard at another step): use `checkpoint_steps`",
+                              "checkpoint_interval_s")
+        if self.resume not in (None, "auto") and not os.path.isfile(self.resume):
+            raise ConfigError(f"`resume`: no checkpoint file {self.resume}: give an existing one, or 'auto' for the "
+                              "newest in `checkpoint_dir`", "resume")
         if self.fault:
             from monarch_plugin.faults import parse_faults
 

@@ -22,7 +22,7 @@ import queue  # noqa: E402
 import socket  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass, field, replace  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
@@ -45,6 +45,7 @@ from monarch_plugin.protocol import (  # noqa: E402
     replica_of_mesh,
 )
 from monarch_plugin.target import Target  # noqa: E402
+from monarch_plugin.worker.checkpoint import newest  # noqa: E402
 from monarch_plugin.worker.session import FORMATION_BOUND_S  # noqa: E402
 
 __all__ = ["ElasticController", "RunResult"]
@@ -87,6 +88,9 @@ class ElasticController:
     def __init__(self, config: ElasticConfig, target: Target):
         config.validate()
         resolve_backend(config.cross_backend)
+        self._resume_asked = config.resume is not None
+        if config.resume == "auto":  # the replicas all load the same one, found once here
+            config = replace(config, resume=newest(config.checkpoint_dir, config.procs_per_replica))
         self.config = config
         self.target = target
         self.events = EventLog(config.events_path, source="controller")
@@ -134,6 +138,10 @@ class ElasticController:
                 min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,
                 procs_per_replica=self.config.procs_per_replica, store_port=self.store.port,
             )
+            if self._resume_asked:
+                self.events.emit("resume", path=self.config.resume, message=(
+                    f"resuming from {self.config.resume}" if self.config.resume else
+                    f"no complete checkpoint in {self.config.checkpoint_dir} yet: starting from scratch"))
             self.hosts.start(self.store)
             self._check_room()
             for _ in range(self.config.replicas):

@@ -590,6 +590,12 @@ def _check_arguments(trainer, ctx) -> None:
             f"MonarchElasticCallback runs one process per replica, got --procs-per-replica "
             f"{ctx.procs_per_replica}: drop the flag"
         )
+    if config.checkpoint_steps or config.checkpoint_interval_s or config.resume:
+        raise ValueError(
+            "--checkpoint-steps, --checkpoint-interval and --resume are ElasticLoop's durable checkpoints: with the "
+            "HF Trainer use its own, TrainingArguments(save_steps=...) and trainer.train(resume_from_checkpoint=...)"
+            " (one replica writes them): drop the flags"
+        )
     if config.batch_policy != "constant_global":
         raise ValueError(
             f"MonarchElasticCallback keeps the global batch constant (HF's steps per epoch are fixed when "

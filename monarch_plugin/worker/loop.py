@@ -23,6 +23,7 @@ import torch
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
+from monarch_plugin.worker.checkpoint import CheckpointWriter, file_name, lane_file, newest, save
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
@@ -109,6 +110,15 @@ class ElasticLoop:
             if self.ctx else None
         )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
+        config = self.config
+        self._checkpoints = (
+            CheckpointWriter(config.checkpoint_dir, config.checkpoint_steps, config.checkpoint_interval_s,
+                             self.ctx.local_rank, self.ctx.procs_per_replica, self.ctx.events.emit,
+                             keep=config.checkpoint_keep)
+            if self.ctx and (config.checkpoint_steps or config.checkpoint_interval_s) else None
+        )
+        if self.ctx and self.ctx.initial and config.resume:  # a replacement heals from its peers instead
+            self.resume(config.resume)
 
     # -- what the loop is at ---------------------------------------------------------------------------
 
@@ -141,6 +151,8 @@ class ElasticLoop:
                 self.ctx.events.emit("stopped", replica=self.ctx.replica_id, step=self.step)
             raise
         finally:
+            if self._checkpoints is not None:
+                self._checkpoints.wait()  # the last one written is on disk before the loop ends
             if self.tx:
                 self.tx.close()
 
@@ -197,6 +209,8 @@ class ElasticLoop:
         self.step += 1
         if self.tx:
             self.tx.committed(step.number)
+        if self._checkpoints is not None and self.rank == 0 and self._checkpoints.due(self.step):
+            self._checkpoints.write(self.step, self.state_dict())
         return True
 
     def _weight(self, batch: list[int], lanes: int) -> float:
@@ -251,14 +265,24 @@ class ElasticLoop:
         """The controller gave up: the generation's first replica saves every proc's state (`resume` loads it)."""
         if self.tx.rank != 0:
             return None
+        if self._checkpoints is not None:
+            self._checkpoints.wait()
         directory = self.config.checkpoint_dir
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"step{committed:08d}-local{self.ctx.local_rank}.pt")
-        torch.save(self.state_dict(), path)
+        path = os.path.join(directory, file_name(committed, self.ctx.local_rank, self.ctx.procs_per_replica))
+        save(self.state_dict(), path)
         return os.path.abspath(path)
 
-    def resume(self, path: str) -> None:
-        """Load a checkpoint written when a run gave up (before iterating)."""
-        self.load_state_dict(torch.load(path, weights_only=False))
+    def resume(self, path: str) -> bool:
+        """Load a durable checkpoint (before iterating): one of its files, or "auto" for the newest complete one
+        in `checkpoint_dir`. Under `monarch-run --resume` the initial replicas call it themselves. False if
+        "auto" found none."""
+        lanes, lane = (self.ctx.procs_per_replica, self.ctx.local_rank) if self.ctx else (1, 0)
+        if path == "auto":
+            path = newest(self.config.checkpoint_dir, lanes)
+            if path is None:
+                return False
+        self.load_state_dict(torch.load(lane_file(path, lane), weights_only=False))
         if self.tx:
             self.tx.session.fresh = False
+        return True

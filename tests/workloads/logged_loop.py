@@ -1,0 +1,53 @@
+"""The plain ElasticLoop with Adam and an LR schedule, logging every committed step: for resume tests.
+
+The generation's rank 0 appends one JSON line per committed step to DIR/steps.jsonl: the step, its epoch, the
+global batch it trained (every replica's share, summed in the step's own transaction), the global-batch mean loss
+and the live replica count. Run it under `monarch-run --checkpoint-steps N [--resume auto]`; DIR/result-<id>.json
+holds each replica's final step and weights checksum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch import nn
+
+from monarch_plugin import ElasticLoop, weights_checksum, worker_context
+
+p = argparse.ArgumentParser()
+p.add_argument("--samples", type=int, default=240)
+p.add_argument("--batch", type=int, default=24)
+p.add_argument("--epochs", type=int, default=4)
+p.add_argument("--step-sleep", type=float, default=0.1)
+p.add_argument("--out", required=True)
+args = p.parse_args()
+
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(args.samples, 16, generator=g)
+y = x @ torch.randn(16, 1, generator=g)
+model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
+loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples, global_batch_size=args.batch,
+                   max_epochs=args.epochs, seed=0)
+ctx = worker_context()
+for step in loop:
+    idx = torch.tensor(step.indices, dtype=torch.long)
+    loss = nn.functional.mse_loss(model(x[idx]), y[idx])  # this share's mean: the runtime weighs the shares
+    loss.backward()
+    time.sleep(args.step_sleep)
+    counts = torch.zeros(args.samples)
+    counts[idx] = 1.0
+    if step.commit(loss_sum=loss.detach() * len(idx), seen=counts) and step.rank == 0:
+        batch = step.metrics["seen"].nonzero().flatten().tolist()
+        record = {"step": step.number, "epoch": step.epoch, "batch": batch, "replicas": step.num_replicas,
+                  "loss": step.metrics["loss_sum"] / len(batch)}
+        with open(os.path.join(args.out, "steps.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+with open(os.path.join(args.out, f"result-{ctx.replica_id}.json"), "w") as f:
+    json.dump({"replica": ctx.replica_id, "step": loop.step, "checksum": weights_checksum(model)}, f)
