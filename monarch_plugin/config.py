@@ -148,6 +148,7 @@ class ElasticConfig:
             self.events_path = os.environ.get("MONARCH_PLUGIN_EVENTS", "monarch_events.jsonl")
         if self.fault is None:
             self.fault = os.environ.get("MONARCH_PLUGIN_FAULT") or None
+        self._check_types()
         self.hosts = list(self.hosts)
         self.validate()
         if self.store_host is None:
@@ -158,8 +159,27 @@ class ElasticConfig:
         """Replicas run on host agents (`hosts`, `hosts_file`), not on this machine."""
         return bool(self.hosts or self.hosts_file)
 
+    def _check_types(self) -> None:
+        """Every field of the type it is declared with (ints where a float is asked are fine)."""
+        for f in dataclasses.fields(self):
+            value, declared = getattr(self, f.name), f.type
+            if value is None and declared.endswith(" | None"):
+                continue
+            kind = declared.removesuffix(" | None")
+            accepted, spoken = _TYPES[kind]
+            ok = isinstance(value, accepted) and not (kind in ("int", "float") and isinstance(value, bool))
+            if ok and kind == "list[str]":
+                ok = all(isinstance(item, str) for item in value)
+            if ok and kind == "dict[str, str]":
+                ok = all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+            if not ok:
+                none = " (or None)" if declared.endswith(" | None") else ""
+                raise ConfigError(f"`{f.name}` must be {spoken}{none}, got {value!r} ({type(value).__name__})",
+                                  f.name)
+
     def validate(self) -> None:
         """Raise ConfigError naming the field and the fix; runs before any spawn."""
+        self._check_types()
         for name in ("replicas", "min_replicas", "max_replicas", "procs_per_replica"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -233,6 +253,13 @@ class ElasticConfig:
 
 
 _FLAGS = {"cross_backend": "--backend", "events_path": "--events"}
+
+_TYPES = {
+    "int": (int, "a whole number"), "float": ((int, float), "a number"), "str": (str, "a string"),
+    "bool": (bool, "True or False"), "list[str]": ((list, tuple), "a list of strings"),
+    "dict[str, str]": (dict, "a dict of strings to strings"),
+}
+"""What each declared field type accepts, and how a message names it."""
 
 _HOST = re.compile(r"tcp://(?P<ip>[0-9.]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]+)")
 

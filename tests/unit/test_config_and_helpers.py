@@ -5,6 +5,7 @@ Plus the CLI's bad-input paths, which must fail before anything is spawned.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -41,6 +42,18 @@ pytestmark = pytest.mark.timeout(60)
 def test_bad_config_names_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ElasticConfig(**kwargs)
+
+
+_WRONG = {"int": "2", "float": "2.5", "str": 2, "bool": "yes", "list[str]": "tcp://10.0.0.2:26600",
+          "dict[str, str]": {"OMP_NUM_THREADS": 1}}
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(ElasticConfig)])
+def test_every_setting_of_the_wrong_type_is_refused_naming_it(name):
+    kind = next(f.type for f in dataclasses.fields(ElasticConfig) if f.name == name).removesuffix(" | None")
+    with pytest.raises(ConfigError, match=rf"^`{name}` must be ") as raised:
+        ElasticConfig(**{name: _WRONG[kind]})
+    assert raised.value.field == name
 
 
 def test_a_config_error_names_its_field_in_each_front_ends_spelling():
