@@ -282,7 +282,13 @@ class ElasticLoop:
             path = newest(self.config.checkpoint_dir, lanes)
             if path is None:
                 return False
-        self.load_state_dict(torch.load(lane_file(path, lane), weights_only=False))
+        path = lane_file(path, lane)
+        try:
+            self.load_state_dict(torch.load(path, weights_only=False))
+        except (RuntimeError, KeyError, ValueError) as e:  # missing or unexpected keys, other shapes
+            raise ValueError(f"the checkpoint {path} is not of this model and optimizer ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:240]}): resume from this model's `checkpoint_dir`, or drop "
+                             "`resume`") from e
         if self.tx:
             self.tx.session.fresh = False
         return True

@@ -81,3 +81,22 @@ def test_a_failed_write_is_reported_and_training_goes_on(tmp_path):
 def test_bad_checkpoint_settings_name_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ElasticConfig(**kwargs)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_fix(tmp_path, monkeypatch):
+    from torch import nn
+
+    from monarch_plugin import ElasticLoop
+
+    def loop(width: int) -> ElasticLoop:
+        model = nn.Linear(width, 2)
+        return ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=8, global_batch_size=4,
+                           max_steps=2)
+
+    path = str(tmp_path / file_name(2, 0, 1))
+    save(loop(4).state_dict(), path)
+    with pytest.raises(ValueError, match=r"is not of this model and optimizer .*size mismatch for weight.* drop "
+                                         r"`resume`"):
+        loop(5).resume(path)
+    monkeypatch.chdir(tmp_path)
+    assert loop(4).resume(path) and not loop(4).resume("auto")  # "auto": none in ./monarch_checkpoints
