@@ -9,6 +9,7 @@ address (a single-host job's listeners are checked in test_elastic_run.py).
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import time
@@ -134,12 +135,15 @@ def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_on
     _nothing_outlives(run)
 
 
+def _front_end_runs(tmp_path, framework: str, module: str, cls: str):
+    """Runs of a front end's harness (`module.cls`), skipped where its framework is not installed."""
+    pytest.importorskip(framework)
+    yield from run_factory(tmp_path, getattr(importlib.import_module(module), cls))
+
+
 @pytest.fixture
 def lightning_run(tmp_path):
-    pytest.importorskip("lightning")
-    from test_lightning import LightningRun
-
-    yield from run_factory(tmp_path, LightningRun)
+    yield from _front_end_runs(tmp_path, "lightning", "test_lightning", "LightningRun")
 
 
 def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(lightning_run, hosts):
@@ -170,10 +174,7 @@ def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(ligh
 
 @pytest.fixture
 def hf_run(tmp_path):
-    pytest.importorskip("transformers")
-    from test_hf import HFRun
-
-    yield from run_factory(tmp_path, HFRun)
+    yield from _front_end_runs(tmp_path, "transformers", "test_hf", "HFRun")
 
 
 def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, hosts):
@@ -212,10 +213,7 @@ def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, h
 
 @pytest.fixture
 def titan_run(tmp_path):
-    pytest.importorskip("torchtitan")
-    from test_torchtitan import TitanRun
-
-    yield from run_factory(tmp_path, TitanRun)
+    yield from _front_end_runs(tmp_path, "torchtitan", "test_torchtitan", "TitanRun")
 
 
 def test_torchtitan_on_two_hosts_survives_losing_one_and_regrows_onto_it(titan_run, hosts, monkeypatch):

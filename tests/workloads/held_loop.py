@@ -15,6 +15,7 @@ import time
 
 import torch
 from _regrow import wait_for_announced_grow
+from _toy import toy_problem
 from torch import nn
 
 from monarch_plugin import ElasticLoop, weights_checksum, worker_context
@@ -29,11 +30,7 @@ p.add_argument("--hold-for-regrow-from", type=int, default=-1)
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
-torch.manual_seed(0)
-g = torch.Generator().manual_seed(0)
-x = torch.randn(args.samples, 16, generator=g)
-y = x @ torch.randn(16, 1, generator=g)
-model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+x, y, model = toy_problem(args.samples)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 loop = ElasticLoop(model, optimizer, dataset_size=args.samples, global_batch_size=args.batch,
                    max_epochs=args.epochs, seed=0)

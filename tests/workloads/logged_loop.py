@@ -14,6 +14,7 @@ import os
 import time
 
 import torch
+from _toy import toy_problem
 from torch import nn
 
 from monarch_plugin import ElasticLoop, weights_checksum, worker_context
@@ -26,11 +27,7 @@ p.add_argument("--step-sleep", type=float, default=0.1)
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
-torch.manual_seed(0)
-g = torch.Generator().manual_seed(0)
-x = torch.randn(args.samples, 16, generator=g)
-y = x @ torch.randn(16, 1, generator=g)
-model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+x, y, model = toy_problem(args.samples)
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples, global_batch_size=args.batch,
