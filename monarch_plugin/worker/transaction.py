@@ -22,7 +22,9 @@ in torchtitan). The state a newcomer heals from is the front end's (a `StateProv
 
 from __future__ import annotations
 
+import logging
 import random
+import time
 from typing import Callable
 
 import numpy as np
@@ -35,7 +37,11 @@ from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer
 from monarch_plugin.worker.session import ReplicaSession, StopReplica
 
-__all__ = ["StepTransaction", "rng_state", "set_rng_state"]
+__all__ = ["StepTransaction", "rng_state", "set_rng_state", "PROGRESS_INTERVAL_S"]
+
+PROGRESS_INTERVAL_S = 1.0
+"""How often the generation's rank 0 records a `progress` event (its newest committed step): often enough for a
+timeline of steps per second, rare enough that a long run's events file stays small."""
 
 
 class StepTransaction:
@@ -59,6 +65,7 @@ class StepTransaction:
         self._give_up = give_up
         self._weight = 1.0
         self._announced_gen = -1
+        self._progress_at = 0.0
 
     @property
     def gen(self) -> int:
@@ -116,11 +123,17 @@ class StepTransaction:
             return None
 
     def committed(self, step: int) -> None:
-        """Step `step` was committed (the optimizer stepped): the generation's first commit is an event."""
+        """Step `step` was committed (the optimizer stepped): the generation's first commit is an event, and one
+        proc of the run (the generation's rank 0) records its progress every PROGRESS_INTERVAL_S."""
         if self._announced_gen != self.gen:
             self._announced_gen = self.gen
             self.ctx.events.emit("first_commit", replica=self.ctx.replica_id, gen=self.gen, step=step,
                                  world=self.world)
+        now = time.monotonic()
+        if self.rank == 0 and self.ctx.local_rank == 0 and now - self._progress_at >= PROGRESS_INTERVAL_S:
+            self._progress_at = now
+            self.ctx.events.emit("progress", level=logging.DEBUG, replica=self.ctx.replica_id, gen=self.gen,
+                                 step=step, world=self.world)
 
     def finish(self, committed: Callable[[], int]) -> None:
         """After the last step: leave once every live replica has committed it. A death meanwhile is healed
