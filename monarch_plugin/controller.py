@@ -51,6 +51,14 @@ from monarch_plugin.worker.session import FORMATION_BOUND_S  # noqa: E402
 __all__ = ["ElasticController", "RunResult"]
 
 _STALL_GRACE_S = 0.5
+_PROBE_TIMEOUT_S = 5.0
+"""How long a probed control actor may take to say what its proc is doing; a frozen (SIGSTOPped) proc never does."""
+
+
+def _first_line(failure) -> str:
+    """Monarch's own words for a failure it supervised: the first line of its report (the rest is a stack dump)."""
+    text = str(failure).strip()
+    return text.splitlines()[0][:200] if text else type(failure).__name__
 
 
 @dataclass
@@ -236,7 +244,7 @@ class ElasticController:
         try:
             results = list(future.get().values())
         except Exception as e:  # noqa: BLE001 - supervision errors mean the process died
-            self._q.put(("died", replica.rid, f"supervision: {type(e).__name__}"))
+            self._q.put(("died", replica.rid, f"supervision ({type(e).__name__}: {_first_line(e)})"))
             return
         self._q.put(("returned", replica.rid, results))
 
@@ -457,12 +465,15 @@ class ElasticController:
     def _statuses(self, replica: _Replica) -> list[dict] | None:
         """What each proc of the replica is doing, from its control actor; None if it does not answer."""
         try:
-            return list(replica.control.status.call().get(timeout=5.0).values())
+            return list(replica.control.status.call().get(timeout=_PROBE_TIMEOUT_S).values())
         except Exception:  # noqa: BLE001 - an unreachable control actor is itself the answer
             return None
 
-    def _treat_as_hung(self, replica: _Replica, how: str) -> None:
-        self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how)
+    def _treat_as_hung(self, replica: _Replica, how: str, why: str, probed: dict | None = None) -> None:
+        """`why`: what the probe found in this replica; `probed`: what every member was doing then, so the events
+        show causally which member was suspected and why the others were not."""
+        self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how, why=why,
+                         probed=probed)
         self.hosts.kill(replica.rid)
         self._on_death(replica, how)
 
@@ -475,28 +486,37 @@ class ElasticController:
         first_seen = self._stalls_seen.setdefault(self.gen, time.monotonic())
         if time.monotonic() - first_seen < _STALL_GRACE_S:
             return
-        suspects = []
+        suspects: dict[int, str] = {}  # replica -> why
+        probed: dict[int, str] = {}  # replica -> what each of its procs was doing, and for how long
+        bound = self.config.collective_timeout_s
         for m in self.members:
             replica = self.replicas[m]
             if replica.state != ReplicaState.MEMBER:
                 continue
             statuses = self._statuses(replica)
-            if statuses is None or any(s["phase"] not in WAITING_ON_PEERS and s["now"] - s["since"] >
-                                       self.config.collective_timeout_s for s in statuses):
-                suspects.append(replica)
+            if statuses is None:
+                probed[m] = suspects[m] = f"no answer from its control actor in {_PROBE_TIMEOUT_S:.0f} s (frozen)"
+                continue
+            probed[m] = ", ".join(f"{s['phase']} for {s['now'] - s['since']:.1f} s at step {s['step']}"
+                                  for s in statuses)
+            stuck = [s for s in statuses if s["phase"] not in WAITING_ON_PEERS and s["now"] - s["since"] > bound]
+            if stuck:
+                suspects[m] = (f"{stuck[0]['phase']} at step {stuck[0]['step']} for {stuck[0]['now'] - stuck[0]['since']:.1f} s, "
+                               f"past collective_timeout_s {bound:g}, while its peers waited on it")
         how = "hang"
         if not suspects and self.store.check([Key.stalled_heal(self.gen)]):
             # A heal past its bound with every member responsive: its recipients are the ones that cannot
             # be brought up to date; they go (and are replaced), the trained members keep training.
             how = "hang (heal stalled)"
             recipients = json.loads(self.store.get(Key.stalled_heal(self.gen)))
-            suspects = [self.replicas[r] for r in recipients if self.replicas[r].state == ReplicaState.MEMBER]
+            suspects = {r: "its heal did not finish within its bound" for r in recipients
+                        if self.replicas[r].state == ReplicaState.MEMBER}
         if not suspects:
             self._announce(list(self.members), reason="stalled reduction, all members responsive",
                            interrupt=True)
             return
-        for replica in suspects:
-            self._treat_as_hung(replica, how)
+        for rid, why in suspects.items():
+            self._treat_as_hung(self.replicas[rid], how, why, probed)
 
     def _check_wedged(self) -> None:
         """A generation still not formed well past the formation bound: probe its members once, and treat as
@@ -515,7 +535,8 @@ class ElasticController:
             replica = self.replicas[m]
             statuses = self._statuses(replica) if replica.state == ReplicaState.MEMBER else None
             if statuses and any(s["phase"] == Phase.JOIN and s["forming"] < g for s in statuses):
-                self._treat_as_hung(replica, f"hang (wedged forming generation {min(s['forming'] for s in statuses)})")
+                forming = min(s["forming"] for s in statuses)
+                self._treat_as_hung(replica, "hang (wedged)", f"still forming generation {forming} in generation {g}")
                 return  # the death published a new generation; it is checked in its own turn
 
     # -- generations ---------------------------------------------------------------------------------------
@@ -575,7 +596,7 @@ class ElasticController:
         """Replaces Monarch's default hook, which would exit the controller on any worker death."""
         rid = replica_of_mesh(str(getattr(failure, "mesh_name", "")))
         if rid is not None:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
-            self._q.put(("died", rid, "supervision"))
+            self._q.put(("died", rid, f"supervision ({_first_line(failure)})"))
 
     # -- shutdown --------------------------------------------------------------------------------------------
 

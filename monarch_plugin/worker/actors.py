@@ -43,7 +43,7 @@ class ControlActor(Actor):
     @endpoint
     def status(self) -> dict:
         f = context.flags
-        return {"phase": f.phase, "since": f.phase_since, "step": f.step, "forming": f.forming, "now": time.time()}
+        return {"phase": f.phase.value, "since": f.phase_since, "step": f.step, "forming": f.forming, "now": time.time()}
 
 
 class ReplicaActor(Actor):

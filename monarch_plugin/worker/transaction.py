@@ -99,10 +99,10 @@ class StepTransaction:
         return True
 
     def begin(self, step: int) -> None:
-        """An attempt at `step` starts, before its first forward: the fault injected there fires, the controller
-        sees the proc computing, and the buffers are as the step's first attempt found them."""
-        self.ctx.fault_point("step", step)
+        """An attempt at `step` starts, before its first forward: the controller sees the proc computing it, the
+        fault injected there fires, and the buffers are as the step's first attempt found them."""
         self.session.flags.set_phase(Phase.COMPUTE, step)
+        self.ctx.fault_point("step", step)
         self.reducer.begin_attempt(step)
 
     def arm(self, weight: float) -> None:

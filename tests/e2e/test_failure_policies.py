@@ -65,17 +65,47 @@ def test_crash_loop_of_replacements_gives_up(elastic_run):
     _no_orphans(run)
 
 
-def test_hung_replica_is_found_killed_and_replaced(elastic_run):
+def test_hung_and_frozen_replicas_are_found_by_what_they_were_doing_and_a_straggler_is_left_alone(elastic_run):
+    """Three kinds of slow, in one run: replica 0 straggles (1.2 s more per step, 2.5x inside the bound), replica 1
+    deadlocks in its own code at step 5 (it sleeps; its process answers), and replica 2 is SIGSTOPped from outside in
+    the middle of a step (it answers nothing). The events say which member was suspected, and why the others not."""
+    samples, batch, epochs, bound = 240, 24, 3, 3.0  # 10 steps an epoch
+    total = epochs * samples // batch
     run = elastic_run()
-    run.start("--replicas", "2", "--min-replicas", "1", "--collective-timeout", "3",
-              "--fault", "hang:replica=1:step=5",
-              script_args=("--epochs", "14", *SLOW, "--out", str(run.out)))  # ~10 s left: the replacement joins
+    run.start("--replicas", "3", "--min-replicas", "1", "--collective-timeout", str(bound),
+              "--fault", "hang:replica=1:step=5", script=WORKLOADS / "logged_loop.py",
+              script_args=("--samples", str(samples), "--batch", str(batch), "--epochs", str(epochs),
+                           "--straggler", "0", "--straggle", "1.2", "--straggle-until", "20", "--out", str(run.out)))
+    run.wait_for(lambda: run.events("hang") and len(_steps(run)) >= 9, timeout=150, what="the hang found, step 9")
+    frozen = run.pids()[2][0]
+    os.kill(frozen, signal.SIGSTOP)
+    stopped_at = time.time()
     assert run.wait(timeout=180) == 0, run.output
-    hang = run.events("hang")
-    assert [h["replica"] for h in hang] == [1]
+
+    # The deadlocked replica: computing step 5 past the bound, while its peers waited on it in the reduction.
+    hangs = {h["replica"]: h for h in run.events("hang")}
+    assert hangs[1]["why"].startswith("compute at step 5 for "), hangs[1]
+    # The straggler, probed at the same moment, was waiting on its peers, or computing for less than the bound.
+    phase, _, seconds = hangs[1]["probed"]["0"].split()[:3]
+    assert phase == "reduce" or (phase == "compute" and float(seconds) < bound), hangs[1]["probed"]
+    # The frozen one: found because it answered nothing (or by Monarch's supervision of its process).
+    frozen_found = [e for e in run.events("hang") + run.events("death") if e["replica"] == 2]
+    assert frozen_found and (frozen_found[0].get("why", "").startswith("no answer")
+                             or "supervision" in frozen_found[0]["detected_by"]), frozen_found
+    assert frozen_found[0]["ts"] > stopped_at
+    print(f"frozen replica found {frozen_found[0]['ts'] - stopped_at:.2f} s after its SIGSTOP, "
+          f"by {frozen_found[0]['detected_by']}")
+    # Nobody else was suspected: the straggler trained every step, in every generation, in its first process.
+    assert {e["replica"] for e in run.events("hang") + run.events("death")} == {1, 2}
+    assert all(0 in q["members"] for q in run.events("quorum"))
+    assert [s["replica"] for s in run.events("spawn") if s["replica"] == 0] == [0]
+    steps = _steps(run)
+    assert [r["step"] for r in steps] == list(range(total))
+    for epoch in range(epochs):
+        assert sorted(i for r in steps if r["epoch"] == epoch for i in r["batch"]) == list(range(samples)), epoch
     results = run.results()
-    assert set(results) == {0, 2}
-    assert results[0]["checksum"] == results[2]["checksum"]
+    assert set(results) == {0, 3, 4} and {r["step"] for r in results.values()} == {total}
+    assert len({r["checksum"] for r in results.values()}) == 1
     _no_orphans(run)
 
 

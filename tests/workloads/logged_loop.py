@@ -1,9 +1,9 @@
-"""The plain ElasticLoop with Adam and an LR schedule, logging every committed step: for resume tests.
+"""The plain ElasticLoop with Adam and an LR schedule, logging every committed step: for resume and hang tests.
 
 The generation's rank 0 appends one JSON line per committed step to DIR/steps.jsonl: the step, its epoch, the
 global batch it trained (every replica's share, summed in the step's own transaction), the global-batch mean loss
 and the live replica count. Run it under `monarch-run --checkpoint-steps N [--resume auto]`; DIR/result-<id>.json
-holds each replica's final step and weights checksum.
+holds each replica's final step and weights checksum. `--straggler R --straggle S` makes replica R slow but alive.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ p.add_argument("--samples", type=int, default=240)
 p.add_argument("--batch", type=int, default=24)
 p.add_argument("--epochs", type=int, default=4)
 p.add_argument("--step-sleep", type=float, default=0.1)
+p.add_argument("--straggler", type=int, default=None, help="this replica is slow but alive: it sleeps --straggle "
+               "seconds more in each step before --straggle-until")
+p.add_argument("--straggle", type=float, default=0.0)
+p.add_argument("--straggle-until", type=int, default=0)
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -38,6 +42,8 @@ for step in loop:
     loss = nn.functional.mse_loss(model(x[idx]), y[idx])  # this share's mean: the runtime weighs the shares
     loss.backward()
     time.sleep(args.step_sleep)
+    if ctx.replica_id == args.straggler and step.number < args.straggle_until:
+        time.sleep(args.straggle)
     counts = torch.zeros(args.samples)
     counts[idx] = 1.0
     if step.commit(loss_sum=loss.detach() * len(idx), seen=counts) and step.rank == 0:
