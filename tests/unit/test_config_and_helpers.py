@@ -205,11 +205,6 @@ def test_heal_plan_picks_a_donor_at_the_newest_step():
     assert (plan.donor, plan.recipients) == (0, (1, 2))
 
 
-def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_plugin.cli", *args], capture_output=True,
-                          text=True, timeout=60, cwd=cwd)
-
-
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -221,12 +216,25 @@ def _cli(*args: str, cwd) -> subprocess.CompletedProcess:
         (["--backend", "mpi", "x.py"], "invalid choice: 'mpi'"),
     ],
 )
-def test_cli_rejects_bad_input_before_spawning(tmp_path, args, message):
+def test_cli_rejects_bad_input_before_spawning(tmp_path, monkeypatch, capsys, args, message):
+    from monarch_plugin.cli import main
+
     (tmp_path / "x.py").write_text("print('never runs')\n")
-    result = _cli("--events", "ev.jsonl", *args, cwd=tmp_path)
-    assert result.returncode == 2
-    assert message in result.stderr
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(["--events", "ev.jsonl", *args])
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    assert message in capsys.readouterr().err
     assert not (tmp_path / "ev.jsonl").exists()  # nothing was spawned, not even the store
+
+
+def test_monarch_run_command_exits_2_naming_the_fix(tmp_path):
+    """The installed entry point, as a user's shell runs it (the cases above call its `main` in this process)."""
+    result = subprocess.run([sys.executable, "-m", "monarch_plugin.cli", "--replicas", "2", "missing.py"],
+                            capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2 and "training script 'missing.py' not found" in result.stderr
 
 
 def test_recovery_report_says_why_a_replacement_never_trained():
