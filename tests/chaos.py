@@ -1,0 +1,189 @@
+"""Seeded chaos for the end-to-end tests: draw several failures, inject them into a live run, check the events.
+
+A schedule is drawn from one seed (printed, and named in every assertion, so a failing draw can be replayed with
+`CHAOS_SEED=<seed> pytest ...`). Its failures are of these kinds:
+
+    sigkill, sigsegv, sigstop    that signal, sent from here to a pid of one training member, at a random point of
+                                 a step (computing or in the reduction); a SIGSTOPped proc answers nothing
+    two_at_once                  SIGKILL two members together
+    death_during_recovery        SIGKILL one member, and another as soon as the first death is noticed
+    last_step                    SIGKILL a member during the run's last step
+    exit                         os._exit(1) inside a member at a drawn step (`--fault exit:...`)
+    donor_mid_heal               the member serving a newcomer's heal dies mid-transfer (`at=heal_donor`)
+    newcomer_mid_heal            the first replacement dies mid-transfer while being healed (`at=heal_recipient`)
+
+The last three are configured at launch (`Chaos.faults`); the others are sent by PID from this process
+(`Chaos.inject`). One replica, the witness (the last initial one), is never hit, so a replica that trained from
+the start counts the samples and at least one (`min_replicas` 1) stays live. A replica with a launch-time fault
+still to fire is not hit from outside either, so every fault drawn fires.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["Chaos", "KINDS", "seed_from_env"]
+
+OUTSIDE = ("sigkill", "sigsegv", "sigstop", "two_at_once", "death_during_recovery", "last_step")
+AT_LAUNCH = ("exit", "donor_mid_heal", "newcomer_mid_heal")
+KINDS = OUTSIDE + AT_LAUNCH
+_SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigstop": signal.SIGSTOP}
+
+
+def seed_from_env() -> int:
+    """`CHAOS_SEED` if set (to replay a draw), else a fresh one: each CI run tries another draw."""
+    return int(os.environ.get("CHAOS_SEED") or random.SystemRandom().randrange(1 << 20))
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str
+    step: int
+    """The witness's committed step it waits for (for `exit`, the step it fires at; for `donor_mid_heal`, the step
+    from which the next heal this donor serves is its last)."""
+    delay: float
+    """Seconds after that step was seen, so the signal lands anywhere in the next step."""
+
+
+@dataclass
+class Injected:
+    kind: str
+    replica: int
+    pid: int
+    signal: int
+    ts: float
+
+
+@dataclass
+class Chaos:
+    seed: int
+    total: int
+    """The run's steps, as the witness's progress counts them (committed steps)."""
+    replicas: int
+    """Initial replicas: ids 0..replicas-1; replacements are numbered from `replicas` on, in spawn order."""
+    count: int = 4
+    schedule: list[Failure] = field(init=False)
+    injected: list[Injected] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        kinds = rng.sample(KINDS, self.count)
+        single = [k for k in _SIGNALS if k not in kinds]
+        if "exit" in kinds and "donor_mid_heal" in kinds:  # each holds back a non-witness replica: none left to hit
+            kinds[kinds.index("exit")] = single.pop(rng.randrange(len(single)))
+        if "donor_mid_heal" in kinds:
+            # It fires at the next heal that replica 0 serves: right after it, a single member is hit (one
+            # other than replica 0 and the witness), so that heal comes, with replica 0 as its donor.
+            kinds.remove("donor_mid_heal")
+            after = next((k for k in kinds if k in _SIGNALS), None)
+            if after is None:
+                after = single.pop(rng.randrange(len(single)))
+                kinds.pop(next(i for i, k in enumerate(kinds) if k in OUTSIDE and k != "last_step"))
+            else:
+                kinds.remove(after)
+            kinds[:0] = ["donor_mid_heal", after]
+        kinds.sort(key=lambda k: k == "last_step")  # the last step is the last failure
+        spread = sorted(rng.sample(range(self.total // 10, self.total - self.total // 3), self.count))
+        self.schedule = [Failure(k, self.total - 1 if k == "last_step" else s, round(rng.uniform(0, 0.15), 3))
+                         for k, s in zip(kinds, spread)]
+        self._rng = rng
+
+    @property
+    def witness(self) -> int:
+        return self.replicas - 1
+
+    def _reserved(self) -> dict[str, int]:
+        """The replica each launch-time fault of the schedule hits."""
+        return {"exit": 1, "donor_mid_heal": 0, "newcomer_mid_heal": self.replicas}
+
+    def faults(self) -> str:
+        """The `--fault` setting for the schedule's launch-time failures ('' if none)."""
+        spec = {"exit": "exit:replica={r}:step={s}", "donor_mid_heal": "sigkill:replica={r}:at=heal_donor:step={s}",
+                "newcomer_mid_heal": "sigkill:replica={r}:at=heal_recipient"}
+        return ",".join(spec[f.kind].format(r=self._reserved()[f.kind], s=f.step)
+                        for f in self.schedule if f.kind in AT_LAUNCH)
+
+    def __str__(self) -> str:
+        return f"chaos seed {self.seed} (replay: CHAOS_SEED={self.seed}): " + ", ".join(
+            f"{f.kind}@{f.step}" for f in self.schedule)
+
+    # -- injecting -------------------------------------------------------------------------------------------
+
+    def _candidates(self, run) -> list[int]:
+        """Members of the newest generation that trained in it or before, and may be hit from here."""
+        events = run.events()
+        quorums = [e for e in events if e["event"] == "quorum"]
+        if not quorums:
+            return []
+        fired = {e["replica"] for e in events if e["event"] == "fault_injected"}  # dying by it, maybe not yet noticed
+        gone = {e["replica"] for e in events if e["event"] in ("death", "hang")} | {i.replica for i in self.injected}
+        gone |= fired
+        held = {self._reserved()[f.kind] for f in self.schedule if f.kind in AT_LAUNCH} - fired
+        trained = {e["replica"] for e in events if e["event"] == "first_commit"}
+        return sorted(m for m in quorums[-1]["members"]
+                      if m != self.witness and m not in gone | held and m in trained)
+
+    def _wait(self, run, predicate, what: str, timeout: float = 60.0):
+        return run.wait_for(predicate, timeout=timeout, what=f"{what} [{self}]")
+
+    def _hit(self, run, kind: str, replica: int, sig: int) -> None:
+        pid = self._rng.choice(run.pids()[replica])
+        os.kill(pid, sig)
+        self.injected.append(Injected(kind, replica, pid, sig, time.time()))
+
+    def _noticed(self, run, replica: int) -> bool:
+        return any(e["replica"] == replica for e in run.events("death"))
+
+    def inject(self, run, progress) -> None:
+        """Send the schedule's outside failures into `run` as the witness's `progress()` reaches each one's step;
+        return once every one was sent and noticed. Launch-time faults fire by themselves."""
+        for f in self.schedule:
+            if f.kind in AT_LAUNCH:
+                continue
+            self._wait(run, lambda: progress() >= f.step, f"step {f.step} for {f.kind}", timeout=180)
+            if f.kind != "last_step":
+                time.sleep(f.delay)
+            need = 2 if f.kind in ("two_at_once", "death_during_recovery") else 1
+            chosen = self._rng.sample(self._wait(run, lambda: len(self._candidates(run)) >= need and
+                                                 self._candidates(run), f"{need} member(s) to hit with {f.kind}"),
+                                      need)
+            if f.kind == "last_step" and progress() >= self.total:
+                raise AssertionError(f"the last step passed before it could be hit [{self}]")
+            self._hit(run, f.kind, chosen[0], _SIGNALS.get(f.kind, signal.SIGKILL))
+            if f.kind == "two_at_once":
+                self._hit(run, f.kind, chosen[1], signal.SIGKILL)
+            elif f.kind == "death_during_recovery":
+                self._wait(run, lambda: self._noticed(run, chosen[0]), f"replica {chosen[0]}'s death noticed")
+                self._hit(run, f.kind, chosen[1], signal.SIGKILL)
+            for replica in chosen:
+                self._wait(run, lambda: self._noticed(run, replica), f"replica {replica}'s death noticed")
+
+    # -- checking --------------------------------------------------------------------------------------------
+
+    def check_events(self, run) -> None:
+        """The events tell what was injected, and nothing else: one death for each replica hit, noticed after the
+        hit and by what can notice it; each launch-time fault fired and its replica died; the witness never."""
+        deaths = {}
+        for e in run.events("death"):
+            assert e["replica"] not in deaths, f"replica {e['replica']} died twice [{self}]"
+            deaths[e["replica"]] = e
+        fired = {e["replica"]: e for e in run.events("fault_injected")}
+        launched = {self._reserved()[f.kind] for f in self.schedule if f.kind in AT_LAUNCH}
+        assert set(fired) == launched, f"launch-time faults fired in {sorted(fired)}, drawn for {sorted(launched)} [{self}]"
+        hit = {i.replica for i in self.injected}
+        assert set(deaths) == hit | launched, f"deaths {sorted(deaths)}, injected {sorted(hit | launched)} [{self}]"
+        for i in self.injected:
+            death = deaths[i.replica]
+            assert death["ts"] > i.ts, (i, death, str(self))
+            how = death["detected_by"]
+            if i.signal == signal.SIGSTOP:  # frozen: Monarch's supervision, or the probe of a stalled reduction
+                assert how.startswith(("supervision", "hang")), (i, death, str(self))
+            else:
+                assert how.startswith(("pidfd", "supervision")), (i, death, str(self))
+        for rid, e in fired.items():
+            assert deaths[rid]["ts"] >= e["ts"] and deaths[rid]["detected_by"].startswith(("pidfd", "supervision"))
+        assert [s["replica"] for s in run.events("spawn")].count(self.witness) == 1
