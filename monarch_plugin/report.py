@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["Recovery", "recoveries", "format_recovery", "run_summary", "Commit", "commits", "Stretch", "Goodput",
-           "goodput", "started_at", "format_summary", "MIN_STRETCH_S", "MIN_STRETCH_STEPS"]
+           "goodput", "started_at", "host_name", "format_summary", "MIN_STRETCH_S", "MIN_STRETCH_STEPS"]
 
 MIN_STRETCH_S = 3.0
 """A rate is measured over a stretch of training only if its first and last recorded commits are at least this
@@ -316,8 +316,9 @@ _LEGEND = {
 }
 
 
-def _host(address: str | None) -> str:
-    return "-" if address is None else address.removeprefix("tcp://")
+def host_name(address: str | None) -> str:
+    """How a host is shown: its agent's IP:PORT, or "this machine" (the controller's, or not recorded)."""
+    return (address or "this machine").removeprefix("tcp://")
 
 
 def format_summary(events: list[dict]) -> list[str]:
@@ -332,7 +333,7 @@ def format_summary(events: list[dict]) -> list[str]:
     if found:
         header = ["#", "at (s)", "replica", *(["host"] if multihost else []), "noticed by", "shrink", "regrow",
                   "dropped"]
-        rows = [[str(i), f"{rec.detected_at - t0:.1f}", str(rec.replica), *([_host(rec.host)] if multihost else []),
+        rows = [[str(i), f"{rec.detected_at - t0:.1f}", str(rec.replica), *([host_name(rec.host)] if multihost else []),
                  rec.detected_by, _shrink(rec), _regrow(rec), ", ".join(map(str, rec.dropped_steps)) or "none"]
                 for i, rec in enumerate(found, 1)]
         lines += [f"{len(found)} failure(s), times in seconds since the run started:",

@@ -17,7 +17,15 @@ import re
 from dataclasses import dataclass, field
 
 from monarch_plugin.errors import MissingExtraError
-from monarch_plugin.report import Recovery, commits, format_summary, goodput, recoveries, started_at
+from monarch_plugin.report import (
+    Recovery,
+    commits,
+    format_summary,
+    goodput,
+    host_name,
+    recoveries,
+    started_at,
+)
 
 __all__ = ["Mark", "Lane", "Picture", "picture", "write_png", "write_html", "MARKS", "PHASES"]
 
@@ -81,16 +89,12 @@ class Picture:
     hosts: list[Lane]  # empty on one machine
 
 
-def _host(address: str | None) -> str:
-    return (address or "this machine").removeprefix("tcp://")
-
-
 def _marks(events: list[dict], t0: float, found: list[Recovery]) -> list[Mark]:
     marks, seen = [], set()
     for e in events:
         kind, t = e["event"], e["ts"] - t0
         if kind == "death":
-            marks.append(Mark(t, kind, f"replica {e['replica']} died on {_host(e.get('host'))}: noticed by "
+            marks.append(Mark(t, kind, f"replica {e['replica']} died on {host_name(e.get('host'))}: noticed by "
                                        f"{e['detected_by']}"))
         elif kind == "hang":
             marks.append(Mark(t, kind, f"replica {e['replica']} hung: {e['detected_by']}"))
@@ -103,15 +107,15 @@ def _marks(events: list[dict], t0: float, found: list[Recovery]) -> list[Mark]:
             marks.append(Mark(t, kind, f"replica(s) {e['recipients']} healed from replica {e.get('donor')} at step "
                                        f"{e['step']}: {e['bytes'] / 1e6:.1f} MB in {e['seconds'] * 1000:.0f} ms"))
         elif kind == "host_lost":
-            marks.append(Mark(t, kind, f"host {_host(e['host'])} lost, with replica(s) {e.get('replicas')}: "
+            marks.append(Mark(t, kind, f"host {host_name(e['host'])} lost, with replica(s) {e.get('replicas')}: "
                                        f"{e.get('reason')}"))
         elif kind == "host_up":
             again = " (a machine seen before)" if e.get("returning") else ""
-            marks.append(Mark(t, kind, f"host {_host(e.get('address'))} up{again}: {e.get('slots')} slot(s), "
+            marks.append(Mark(t, kind, f"host {host_name(e.get('address'))} up{again}: {e.get('slots')} slot(s), "
                                        f"attached in {e.get('seconds', 0):.1f} s"))
         elif kind == "grow":
             marks.append(Mark(t, kind, f"grow to {e['replicas']} replicas (was {e.get('was')}): host "
-                                       f"{_host(e.get('host'))} joined"))
+                                       f"{host_name(e.get('host'))} joined"))
         elif kind == "give_up":
             marks.append(Mark(t, kind, f"the controller gave up: {e.get('reason')}"))
     quorums = [e for e in events if e["event"] == "quorum"]
@@ -140,7 +144,7 @@ def _phases(rec: Recovery, t0: float) -> tuple[str, list[tuple[str, float, str]]
                                            f"{(p['replace_to_participating'] or 0):.1f} s after "
                                            f"{'spawn began' if cold else 'the death was noticed'}"),
     ]
-    title = f"replica {rec.replica} died" + ("" if rec.host in (None, "this machine") else f" ({_host(rec.host)})")
+    title = f"replica {rec.replica} died" + ("" if rec.host in (None, "this machine") else f" ({host_name(rec.host)})")
     return title, [(name, t - t0, f"{name} at t={t - t0:.2f} s: {text}") for name, t, text in phases if t is not None]
 
 
@@ -152,7 +156,7 @@ def _replica_lanes(events: list[dict], t0: float, end: float, multihost: bool) -
         stop = next((e for e in events if e["event"] in ("death", "finished") and e.get("replica") == rid), None)
         until = stop["ts"] if stop else end
         how = ("until it died" if stop["event"] == "death" else "until it finished") if stop else "until the run ended"
-        where = _host(spawn.get("host"))
+        where = host_name(spawn.get("host"))
         lane = Lane(f"replica {rid}" + (f" @ {where}" if multihost else ""))
         lane.spans.append((began - t0, spawned - t0, "spawning", f"replica {rid} spawning on {where}: "
                                                                   f"{spawned - began:.1f} s"))
@@ -174,10 +178,10 @@ def _host_lanes(events: list[dict], t0: float, end: float) -> list[Lane]:
         lost = next((e for e in events if e["event"] == "host_lost" and e["host"] == address and e["ts"] >= up["ts"]),
                     None)
         until = lost["ts"] if lost else end
-        lane = Lane(f"host {_host(address)}")
+        lane = Lane(f"host {host_name(address)}")
         lane.spans.append((up["ts"] - up.get("seconds", 0) - t0, up["ts"] - t0, "attaching",
-                           f"host {_host(address)} attaching: {up.get('seconds', 0):.1f} s"))
-        lane.spans.append((up["ts"] - t0, until - t0, "attached", f"host {_host(address)} attached, "
+                           f"host {host_name(address)} attaching: {up.get('seconds', 0):.1f} s"))
+        lane.spans.append((up["ts"] - t0, until - t0, "attached", f"host {host_name(address)} attached, "
                            + (f"until it was lost: {lost.get('reason')}" if lost else "until the run ended")))
         lanes.append(lane)
     return lanes
@@ -207,14 +211,15 @@ def picture(events: list[dict], name: str) -> Picture:
     )
 
 
-def _figure_class():
-    """matplotlib's Figure (no pyplot: no global backend is chosen; PNGs are drawn by Agg)."""
+def _matplotlib():
+    """matplotlib's `Figure` and `rc_context` (no pyplot: no global backend is chosen; PNGs are drawn by Agg)."""
     try:
+        from matplotlib import rc_context
         from matplotlib.figure import Figure
     except ImportError as e:
         raise MissingExtraError("the timeline is drawn with matplotlib, which is not installed here: "
                                 "pip install 'monarch-plugin[viz]'") from e
-    return Figure
+    return Figure, rc_context
 
 
 def _labels(ax, phases: list[tuple[str, float, str]], y: float, seconds: float) -> None:
@@ -231,16 +236,23 @@ def _labels(ax, phases: list[tuple[str, float, str]], y: float, seconds: float) 
 
 def _draw(p: Picture):
     """The figure, its axes, and the tooltip of each artist given a `tip-N` gid (N indexes the list)."""
-    Figure = _figure_class()
+    Figure, _ = _matplotlib()
     kinds = [k for k in MARKS if any(m.kind == k for m in p.marks)]
     panels = [("size", 1.3), ("rate", 1.5)]
     panels += [("marks", 0.3 * len(kinds) + 0.4)] if kinds else []
     panels += [("recoveries", 0.75 * len(p.recoveries) + 0.5)] if p.recoveries else []
     panels += [("replicas", 0.24 * len(p.replicas) + 0.4)] if p.replicas else []
     panels += [("hosts", 0.24 * len(p.hosts) + 0.4)] if p.hosts else []
-    fig = Figure(figsize=(12, sum(h for _, h in panels) + 1.0), layout="constrained")
-    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False,
-                        gridspec_kw={"height_ratios": [h for _, h in panels]})[:, 0]
+    # Fixed margins, in inches (a constrained layout would double the drawing time): the left one fits the longest
+    # row name (8 pt), the right one the legends.
+    labels = [MARKS[k][0] for k in kinds] + [title for title, _ in p.recoveries] + [
+        lane.label for lane in p.replicas + p.hosts]
+    width, height = 12.0, sum(h for _, h in panels) + 0.25 * len(panels) + 1.0
+    left = 0.3 + 0.06 * max(map(len, labels), default=8)
+    fig = Figure(figsize=(width, height))
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, gridspec_kw={
+        "height_ratios": [h for _, h in panels], "hspace": 0.25 * len(panels) / sum(h for _, h in panels),
+        "left": left / width, "right": 1 - 1.1 / width, "top": 1 - 0.5 / height, "bottom": 0.55 / height})[:, 0]
     ax = dict(zip((name for name, _ in panels), axes))
     tips: list[str] = []
 
@@ -275,11 +287,11 @@ def _draw(p: Picture):
     if kinds:
         a = ax["marks"]
         for row, kind in enumerate(kinds):
-            label, color, marker = MARKS[kind]
+            _, color, marker = MARKS[kind]
             for m in (m for m in p.marks if m.kind == kind):
                 (artist,) = a.plot([m.t], [row], marker=marker, color=color, markersize=8, linestyle="none")
                 tip(artist, f"t={m.t:.2f} s: {m.text}")
-        a.set_yticks(range(len(kinds)), [MARKS[k][0] for k in kinds])
+        a.set_yticks(range(len(kinds)), [MARKS[k][0] for k in kinds], fontsize=8)
         a.set_ylim(len(kinds) - 0.5, -0.5)
     if p.recoveries:
         a = ax["recoveries"]
@@ -298,7 +310,7 @@ def _draw(p: Picture):
                 (artist,) = a.plot([t], [row], marker=marker, color=color, markersize=8, linestyle="none")
                 tip(artist, text)
             _labels(a, phases, row, p.seconds)
-        a.set_yticks(range(len(p.recoveries)), [title for title, _ in p.recoveries])
+        a.set_yticks(range(len(p.recoveries)), [title for title, _ in p.recoveries], fontsize=8)
         a.set_ylim(len(p.recoveries) - 0.4, -0.6)
     for panel in ("replicas", "hosts"):
         lanes = getattr(p, panel)
@@ -395,9 +407,11 @@ def write_html(events: list[dict], name: str, path: str) -> None:
     """Write a self-contained page at `path`: the timeline as inline SVG with hover tooltips, and the summary."""
     p = picture(events, name)
     fig, axes, tips = _draw(p)
+    _, rc_context = _matplotlib()
     buffer = io.StringIO()
-    fig.savefig(buffer, format="svg")
-    box = axes[-1].get_position()  # after the draw, where the constrained layout put it
+    with rc_context({"svg.fonttype": "none"}):  # text as text: selectable, and in the viewer's font
+        fig.savefig(buffer, format="svg")
+    box = axes[-1].get_position()
     width = fig.get_figwidth() * 72  # the SVG's user units are points
     data = {"x0": box.x0 * width, "x1": box.x1 * width, "seconds": p.seconds, "has_progress": p.has_progress,
             "size": p.size, "rate": [[round(a, 3), round(b, 3), round(r, 3)] for a, b, r in p.rate]}
