@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 __all__ = ["Recovery", "recoveries", "format_recovery", "run_summary", "Commit", "commits", "Stretch", "Goodput",
-           "goodput", "started_at", "host_name", "format_summary", "MIN_STRETCH_S", "MIN_STRETCH_STEPS"]
+           "goodput", "started_at", "host_name", "format_summary", "GOODPUT_DEFINITION", "MIN_STRETCH_S",
+           "MIN_STRETCH_STEPS"]
 
 MIN_STRETCH_S = 3.0
 """A rate is measured over a stretch of training only if its first and last recorded commits are at least this
@@ -159,6 +160,8 @@ def started_at(events: list[dict]) -> float:
 
 
 class Commit(NamedTuple):
+    """A step recorded as committed: when, which step (the front end's number), in which generation."""
+
     ts: float
     step: int
     gen: int | None
@@ -200,6 +203,7 @@ class Stretch:
         return self.seconds >= MIN_STRETCH_S and self.steps >= MIN_STRETCH_STEPS
 
     def describe(self, t0: float) -> str:
+        """Its steps and times, for a reader (times since `t0`, the run's start)."""
         return (f"steps {self.first.step}-{self.last.step} in {self.seconds:.1f} s, "
                 f"t={self.first.ts - t0:.1f}-{self.last.ts - t0:.1f} s")
 
