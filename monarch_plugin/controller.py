@@ -10,30 +10,25 @@ stalled reduction gets its peers' phases checked, and the one stuck outside the 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-# Monarch reads these when its runtime starts: the defaults notice a dead proc 7-30 s late.
-os.environ.setdefault("HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY", "1s")
-os.environ.setdefault("HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE", "2s")
+import torch.distributed as dist
 
-import datetime  # noqa: E402
-import queue  # noqa: E402
-import socket  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field, replace  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch.distributed as dist  # noqa: E402
-
-from monarch_plugin import policies  # noqa: E402
-from monarch_plugin.backend import resolve_backend  # noqa: E402
-from monarch_plugin.config import ElasticConfig  # noqa: E402
-from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError  # noqa: E402
-from monarch_plugin.events import EventLog  # noqa: E402
-from monarch_plugin.hosts import Hosts  # noqa: E402
-from monarch_plugin.protocol import (  # noqa: E402
+from monarch_plugin import policies
+from monarch_plugin.backend import resolve_backend
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError
+from monarch_plugin.events import EventLog
+from monarch_plugin.hosts import Hosts
+from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
     Action,
     Key,
@@ -44,9 +39,9 @@ from monarch_plugin.protocol import (  # noqa: E402
     mesh_names,
     replica_of_mesh,
 )
-from monarch_plugin.target import Target  # noqa: E402
-from monarch_plugin.worker.checkpoint import newest  # noqa: E402
-from monarch_plugin.worker.session import FORMATION_BOUND_S  # noqa: E402
+from monarch_plugin.target import Target
+from monarch_plugin.worker.checkpoint import newest
+from monarch_plugin.worker.session import FORMATION_BOUND_S
 
 __all__ = ["ElasticController", "RunResult"]
 

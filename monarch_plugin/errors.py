@@ -7,7 +7,7 @@ and from a bug in the training code (re-raised with the worker's traceback).
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "ReplicaCodeError"]
+__all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "MissingExtraError", "ReplicaCodeError"]
 
 
 class ConfigError(ValueError):
@@ -23,6 +23,10 @@ class ConfigError(ValueError):
 
 class BackendUnavailableError(RuntimeError):
     """The requested torch.distributed backend is not built into this torch."""
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency a command needs is not installed; the message names the extra that brings it."""
 
 
 class ElasticRunAborted(RuntimeError):
