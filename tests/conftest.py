@@ -7,6 +7,7 @@ controller itself, by pid.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -161,6 +162,13 @@ def run_factory(tmp_path: Path, cls):
     yield make
     for run in runs:
         run.cleanup()
+
+
+def front_end_runs(tmp_path: Path, framework: str, module: str, cls: str):
+    """Runs of a front end's harness (`module.cls`, from its test module), skipped where its framework is not
+    installed."""
+    pytest.importorskip(framework)
+    yield from run_factory(tmp_path, getattr(importlib.import_module(module), cls))
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ Each run draws a fresh seed and prints it; `CHAOS_SEED=<seed>` replays a draw.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from chaos import Chaos, seed_from_env
-from conftest import alive
+from conftest import alive, front_end_runs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,4 +38,61 @@ def test_plain_loop_survives_a_seeded_draw_of_failures(elastic_run):
         assert set(counts) == {1.0}, f"epoch {epoch}: {counts} [{chaos}]"
     assert {r["step"] for r in results.values()} == {total}, (results, str(chaos))
     assert len({r["checksum"] for r in results.values()}) == 1, (results, str(chaos))
+    assert not any(alive(pid) for pids in run.pids().values() for pid in pids), chaos
+
+
+@pytest.fixture
+def lightning_run(tmp_path):
+    yield from front_end_runs(tmp_path, "lightning", "test_lightning", "LightningRun")
+
+
+def test_lightning_fit_survives_a_seeded_draw_of_failures(lightning_run):
+    from test_lightning import _every_sample_once_per_epoch
+
+    samples, batch, devices, epochs = 480, 8, 3, 10  # a global batch of 24: 20 steps an epoch
+    total = epochs * samples // (batch * devices)
+    chaos = Chaos(seed_from_env(), total=total, replicas=devices)
+    print(chaos)
+    faults = ("--fault", chaos.faults()) if chaos.faults() else ()
+    run = lightning_run().start("--devices", str(devices), "--min-replicas", "1", "--collective-timeout", "5",
+                                "--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
+                                "--step-sleep", "0.1", *faults)
+    chaos.inject(run, lambda: run.progress(chaos.witness))
+    assert run.wait(timeout=180) == 0, f"{chaos}\n{run.output}"
+
+    chaos.check_events(run)
+    result = run.result()
+    assert result["state"] == "finished" and result["global_step"] == total, (result, str(chaos))
+    assert str(chaos.witness) in result["replica_checksums"], chaos
+    assert set(result["replica_checksums"].values()) == {result["checksum"]}, (result, str(chaos))
+    _every_sample_once_per_epoch(result)  # counted by the gradients, in weights every finisher holds
+    assert not any(alive(pid) for pids in run.pids().values() for pid in pids), chaos
+
+
+@pytest.fixture
+def hf_run(tmp_path):
+    yield from front_end_runs(tmp_path, "transformers", "test_hf", "HFRun")
+
+
+def test_hf_train_survives_a_seeded_draw_of_failures(hf_run):
+    samples, batch, replicas, epochs = 240, 4, 3, 8  # a global batch of 12: 20 steps an epoch
+    total = epochs * samples // (batch * replicas)
+    chaos = Chaos(seed_from_env(), total=total, replicas=replicas)
+    print(chaos)
+    faults = ("--fault", chaos.faults()) if chaos.faults() else ()
+    run = hf_run().start("--replicas", str(replicas), "--min-replicas", "1", "--collective-timeout", "5", *faults,
+                         script_args=("--replicas", str(replicas), "--count", "--max-grad-norm", "0",
+                                      "--batch", str(batch), "--samples", str(samples), "--epochs", str(epochs),
+                                      "--step-sleep", "0.05"))
+    chaos.inject(run, lambda: run.progress(chaos.witness))
+    assert run.wait(timeout=180) == 0, f"{chaos}\n{run.output}"
+
+    chaos.check_events(run)
+    results = run.results()
+    witness = results[str(chaos.witness)]
+    assert witness["initial"] and witness["pid"] == run.pids()[chaos.witness][0], chaos
+    assert {r["checksum"] for r in results.values()} == {witness["checksum"]}, (results.keys(), str(chaos))
+    assert {r["global_step"] for r in results.values()} == {total}, str(chaos)
+    counts = torch.tensor(witness["counts"])  # counted by the gradients
+    torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
     assert not any(alive(pid) for pids in run.pids().values() for pid in pids), chaos

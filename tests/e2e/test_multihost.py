@@ -9,7 +9,6 @@ address (a single-host job's listeners are checked in test_elastic_run.py).
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import time
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 import netns
-from conftest import WILDCARDS, WORKLOADS, alive, descendants, listeners, run_factory
+from conftest import WILDCARDS, WORKLOADS, alive, descendants, front_end_runs, listeners
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]
@@ -135,15 +134,9 @@ def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_on
     _nothing_outlives(run)
 
 
-def _front_end_runs(tmp_path, framework: str, module: str, cls: str):
-    """Runs of a front end's harness (`module.cls`), skipped where its framework is not installed."""
-    pytest.importorskip(framework)
-    yield from run_factory(tmp_path, getattr(importlib.import_module(module), cls))
-
-
 @pytest.fixture
 def lightning_run(tmp_path):
-    yield from _front_end_runs(tmp_path, "lightning", "test_lightning", "LightningRun")
+    yield from front_end_runs(tmp_path, "lightning", "test_lightning", "LightningRun")
 
 
 def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(lightning_run, hosts):
@@ -174,7 +167,7 @@ def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(ligh
 
 @pytest.fixture
 def hf_run(tmp_path):
-    yield from _front_end_runs(tmp_path, "transformers", "test_hf", "HFRun")
+    yield from front_end_runs(tmp_path, "transformers", "test_hf", "HFRun")
 
 
 def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, hosts):
@@ -213,7 +206,7 @@ def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, h
 
 @pytest.fixture
 def titan_run(tmp_path):
-    yield from _front_end_runs(tmp_path, "torchtitan", "test_torchtitan", "TitanRun")
+    yield from front_end_runs(tmp_path, "torchtitan", "test_torchtitan", "TitanRun")
 
 
 def test_torchtitan_on_two_hosts_survives_losing_one_and_regrows_onto_it(titan_run, hosts, monkeypatch):

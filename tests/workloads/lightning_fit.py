@@ -200,6 +200,7 @@ def main() -> None:
     p.add_argument("--then", default="", help="stages after fit, e.g. 'validate,test,predict', on the val samples")
     p.add_argument("--eval-sleep", type=float, default=0.0, help="seconds each test batch takes")
     p.add_argument("--fault", default=None)
+    p.add_argument("--collective-timeout", type=float, default=60.0, help="MonarchStrategy(collective_timeout_s=...)")
     p.add_argument("--spares", type=int, default=0)
     p.add_argument("--events", default=None)
     p.add_argument("--unpicklable", action="store_true")
@@ -224,6 +225,7 @@ def main() -> None:
         strategy, devices, batch = args.strategy.replace("-name", ""), args.devices, args.batch
     else:
         knobs = dict(min_replicas=args.min_replicas, fault=args.fault, events_path=args.events,
+                     collective_timeout_s=args.collective_timeout,
                      checkpoint_dir=os.path.join(args.out, "ckpt"), join_timeout_s=120, spares=args.spares)
         if args.hosts_file:
             knobs.update(hosts_file=args.hosts_file, store_host=args.store_host, host_timeout_s=4)
