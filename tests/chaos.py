@@ -10,7 +10,8 @@ A schedule is drawn from one seed (printed, and named in every assertion, so a f
     last_step                    SIGKILL a member during the run's last step
     exit                         os._exit(1) inside a member at a drawn step (`--fault exit:...`)
     donor_mid_heal               the member serving a newcomer's heal dies mid-transfer (`at=heal_donor`)
-    newcomer_mid_heal            the first replacement dies mid-transfer while being healed (`at=heal_recipient`)
+    newcomer_mid_heal            the first newcomer dies mid-transfer while being healed (`at=heal_recipient`):
+                                 replica `replicas`, the hot spare if the run has one, else the first replacement
 
 The last three are configured at launch (`Chaos.faults`); the others are sent by PID from this process
 (`Chaos.inject`). One replica, the witness (the last initial one), is never hit, so a replica that trained from
@@ -64,7 +65,7 @@ class Chaos:
     total: int
     """The run's steps, as the witness's progress counts them (committed steps)."""
     replicas: int
-    """Initial replicas: ids 0..replicas-1; replacements are numbered from `replicas` on, in spawn order."""
+    """Initial replicas: ids 0..replicas-1; hot spares, then replacements, are numbered from `replicas` on."""
     count: int = 4
     schedule: list[Failure] = field(init=False)
     injected: list[Injected] = field(default_factory=list, init=False)

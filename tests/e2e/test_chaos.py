@@ -54,9 +54,11 @@ def test_lightning_fit_survives_a_seeded_draw_of_failures(lightning_run):
     chaos = Chaos(seed_from_env(), total=total, replicas=devices)
     print(chaos)
     faults = ("--fault", chaos.faults()) if chaos.faults() else ()
+    # A replacement takes 10-15 s to start here: a hot spare refills at once, and the compute of a step grows with
+    # a replica's share (as a real model's), so a shrunk group trains slower and lasts until its replacements join.
     run = lightning_run().start("--devices", str(devices), "--min-replicas", "1", "--collective-timeout", "5",
-                                "--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
-                                "--step-sleep", "0.1", *faults)
+                                "--spares", "1", "--epochs", str(epochs), "--samples", str(samples),
+                                "--batch", str(batch), "--sample-sleep", "0.0125", *faults)
     chaos.inject(run, lambda: run.progress(chaos.witness))
     assert run.wait(timeout=180) == 0, f"{chaos}\n{run.output}"
 
@@ -80,10 +82,11 @@ def test_hf_train_survives_a_seeded_draw_of_failures(hf_run):
     chaos = Chaos(seed_from_env(), total=total, replicas=replicas)
     print(chaos)
     faults = ("--fault", chaos.faults()) if chaos.faults() else ()
-    run = hf_run().start("--replicas", str(replicas), "--min-replicas", "1", "--collective-timeout", "5", *faults,
+    run = hf_run().start("--replicas", str(replicas), "--min-replicas", "1", "--collective-timeout", "5",
+                         "--spares", "1", *faults,
                          script_args=("--replicas", str(replicas), "--count", "--max-grad-norm", "0",
                                       "--batch", str(batch), "--samples", str(samples), "--epochs", str(epochs),
-                                      "--step-sleep", "0.05"))
+                                      "--sample-sleep", "0.025"))
     chaos.inject(run, lambda: run.progress(chaos.witness))
     assert run.wait(timeout=180) == 0, f"{chaos}\n{run.output}"
 

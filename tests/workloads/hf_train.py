@@ -85,13 +85,16 @@ class CountingLM(nn.Module):
 
     accepts_loss_kwargs = True
 
-    def __init__(self, lm: GPT2LMHeadModel, epochs: int, samples: int):
+    def __init__(self, lm: GPT2LMHeadModel, epochs: int, samples: int, sample_sleep: float = 0.0):
         super().__init__()
         self.lm = lm
         self.seen = nn.Parameter(torch.zeros(epochs, samples))
         self.epoch = 0
+        self.sample_sleep = sample_sleep
 
     def forward(self, input_ids, labels, idx, num_items_in_batch=None, **kwargs):
+        if self.sample_sleep:  # compute that grows with this replica's share, as a bigger model's does
+            time.sleep(self.sample_sleep * len(idx))
         out = self.lm(input_ids=input_ids, labels=labels, num_items_in_batch=num_items_in_batch)
         window_samples = num_items_in_batch / labels.shape[1]  # HF counted every label of the window's samples
         return {"loss": out.loss + self.seen[self.epoch, idx].sum() / window_samples}
@@ -160,6 +163,8 @@ def main() -> None:
     p.add_argument("--logging-steps", type=int, default=1)
     p.add_argument("--resume", default=None, help="resume_from_checkpoint")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--sample-sleep", type=float, default=0.0,
+                   help="with --count: seconds per sample of this replica's share, so a shrunk group steps slower")
     p.add_argument("--pause-at", type=int, default=-1, help="hold this global step until DIR/release exists")
     p.add_argument("--no-callback", action="store_true")
     p.add_argument("--stream", choices=("datasets", "torch"), default=None, help="train on a streaming dataset")
@@ -175,7 +180,7 @@ def main() -> None:
     torch.manual_seed(0)
     model: nn.Module = GPT2LMHeadModel(config)
     if args.count:
-        model = CountingLM(model, args.epochs, args.samples)
+        model = CountingLM(model, args.epochs, args.samples, args.sample_sleep)
     training = TrainingArguments(
         output_dir=os.path.join(args.out, "hf"), per_device_train_batch_size=args.batch,
         gradient_accumulation_steps=args.accumulate, num_train_epochs=args.epochs, max_steps=args.max_steps,

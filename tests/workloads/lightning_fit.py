@@ -77,6 +77,7 @@ class Model(pl.LightningModule):
         self.step_sleep = step_sleep
         self.out = out
         self.eval_sleep = 0.0
+        self.sample_sleep = 0.0
 
     def training_step(self, batch, batch_idx):
         self._hold_for_regrow()
@@ -86,6 +87,8 @@ class Model(pl.LightningModule):
             ctx = worker_context()
             slow = ctx is not None and ctx.replica_id == self.slow_replica
             time.sleep(self.step_sleep * (5 if slow else 1))
+        if self.sample_sleep:  # compute that grows with this replica's share, as a bigger model's does
+            time.sleep(self.sample_sleep * len(idx))
         self.log("train_loss", loss)
         return loss + self.seen[self.current_epoch, idx].mean()
 
@@ -195,6 +198,8 @@ def main() -> None:
     p.add_argument("--val-every-n-epoch", type=int, default=1, help="Trainer(check_val_every_n_epoch=...)")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--slow-replica", type=int, default=-1, help="this replica sleeps 5x --step-sleep per batch")
+    p.add_argument("--sample-sleep", type=float, default=0.0,
+                   help="seconds per sample of this replica's share, so a shrunk group steps slower")
     p.add_argument("--hold-for-regrow-from", type=int, default=-1,
                    help="from this global step on, a shrunk group waits for its replacement to be announced")
     p.add_argument("--then", default="", help="stages after fit, e.g. 'validate,test,predict', on the val samples")
@@ -219,6 +224,7 @@ def main() -> None:
     model = cls(args.samples, args.epochs + args.swa, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
                 args.slow_replica, args.devices * args.num_nodes // max(args.fsdp, 1), args.hold_for_regrow_from,
                 args.batchnorm)
+    model.sample_sleep = args.sample_sleep
     if args.strategy == "single":
         strategy, devices, batch = "auto", 1, global_batch
     elif args.strategy in ("monarch-name", "ddp_spawn"):
