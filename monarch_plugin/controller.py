@@ -496,7 +496,8 @@ class ElasticController:
                                   for s in statuses)
             stuck = [s for s in statuses if s["phase"] not in WAITING_ON_PEERS and s["now"] - s["since"] > bound]
             if stuck:
-                suspects[m] = (f"{stuck[0]['phase']} at step {stuck[0]['step']} for {stuck[0]['now'] - stuck[0]['since']:.1f} s, "
+                s = stuck[0]
+                suspects[m] = (f"{s['phase']} at step {s['step']} for {s['now'] - s['since']:.1f} s, "
                                f"past collective_timeout_s {bound:g}, while its peers waited on it")
         how = "hang"
         if not suspects and self.store.check([Key.stalled_heal(self.gen)]):

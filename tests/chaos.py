@@ -174,7 +174,7 @@ class Chaos:
             deaths[e["replica"]] = e
         fired = {e["replica"]: e for e in run.events("fault_injected")}
         launched = {self._reserved()[f.kind] for f in self.schedule if f.kind in AT_LAUNCH}
-        assert set(fired) == launched, f"launch-time faults fired in {sorted(fired)}, drawn for {sorted(launched)} [{self}]"
+        assert set(fired) == launched, f"faults fired in {sorted(fired)}, drawn for {sorted(launched)} [{self}]"
         hit = {i.replica for i in self.injected}
         assert set(deaths) == hit | launched, f"deaths {sorted(deaths)}, injected {sorted(hit | launched)} [{self}]"
         for i in self.injected:

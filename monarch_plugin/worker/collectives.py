@@ -175,6 +175,8 @@ def new_group(
         if time.monotonic() > built_by:
             raise CollectiveTimedOut(f"{prefix}: group not built {bound:.0f}s after every member arrived")
     if "error" in built:
+        if superseded():  # the constructor's own store wait saw the newer plan first, and ended the thread
+            raise GenerationChanged(f"{prefix}: abandoned during construction (a newer generation)") from built["error"]
         raise CollectiveFailed(f"{prefix}: group construction failed: {built['error']}") from built["error"]
     _store_of[id(built["pg"])] = polling
     return built["pg"]

@@ -20,11 +20,7 @@ import torch
 
 from monarch_plugin.worker.collectives import wait_all
 from monarch_plugin.worker.context import Flags
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed tensors holds no sharded state
-    DTensor = ()
+from monarch_plugin.worker.dtensors import is_dtensor
 
 __all__ = ["StateProvider", "HealPlan", "Moved", "plan_heal", "heal_bound_s", "transfer_state"]
 
@@ -81,7 +77,7 @@ def plan_heal(steps: list[int], fresh: list[bool]) -> HealPlan | None:
 
 
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, DTensor):
+    if is_dtensor(obj):
         local = obj.to_local()
         tensors.append(local)
         return _ShardSlot(len(tensors) - 1, tuple(local.shape), local.dtype, local.device.type == "cpu",
@@ -100,6 +96,8 @@ def _join(obj: Any, tensors: list[torch.Tensor], mesh: Any) -> Any:
     if isinstance(obj, _ShardSlot):
         if mesh is None:
             raise RuntimeError("the donor sent sharded state, but this replica's provider names no device_mesh")
+        from torch.distributed.tensor import DTensor  # loaded already: this replica's own state is sharded
+
         local = tensors[obj.index]
         return DTensor.from_local(local.cpu() if obj.on_cpu else local, mesh, obj.placements, run_check=False,
                                   shape=torch.Size(obj.global_shape), stride=obj.stride)

@@ -31,11 +31,7 @@ import torch
 from monarch_plugin.protocol import Phase
 from monarch_plugin.worker.collectives import CollectiveInterrupted, wait_all
 from monarch_plugin.worker.context import Flags
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without distributed tensors holds no sharded parameters
-    DTensor = ()
+from monarch_plugin.worker.dtensors import local_part
 
 __all__ = ["GradientReducer"]
 
@@ -66,7 +62,7 @@ class GradientReducer:
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed(self.params):
-            nbytes = _local(p).numel() * p.element_size()
+            nbytes = local_part(p).numel() * p.element_size()
             if current and (size + nbytes > BUCKET_BYTES or p.dtype != current[0].dtype):
                 self.buckets.append(current)
                 current, size = [], 0
@@ -78,7 +74,7 @@ class GradientReducer:
         # Reused every step: fresh 25 MB buffers would page-fault their way in on every step. The last
         # bucket reduced carries one extra element, the control word, so a step needs no extra collective.
         self._buffers = [
-            torch.empty(sum(_local(p).numel() for p in b) + (i == len(self.buckets) - 1), dtype=b[0].dtype,
+            torch.empty(sum(local_part(p).numel() for p in b) + (i == len(self.buckets) - 1), dtype=b[0].dtype,
                         device=device)
             for i, b in enumerate(self.buckets)
         ]
@@ -177,7 +173,7 @@ class GradientReducer:
 
     def _launch(self, i: int) -> None:
         parts = [
-            _local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device)
+            local_part(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device)
             for p in self.buckets[i]
         ]
         flat = self._buffers[i]
@@ -199,12 +195,12 @@ class GradientReducer:
         for i, bucket in enumerate(self.buckets):
             flat, offset = self._flats[i], 0
             for p in bucket:
-                local = _local(p)
+                local = local_part(p)
                 n = local.numel()
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 with torch.no_grad():
-                    _local(p.grad).copy_(flat[offset : offset + n].view_as(local))
+                    local_part(p.grad).copy_(flat[offset : offset + n].view_as(local))
                 offset += n
         self._reduced = True
         self._flags.set_phase(Phase.COMPUTE)
@@ -237,13 +233,13 @@ class GradientReducer:
             return grow, []
         side = torch.cat([
             torch.tensor(metrics, dtype=torch.float64, device=self.device),
-            *(_local(b).reshape(-1).to(self.device, torch.float64) * self._weight for b in buffers),
+            *(local_part(b).reshape(-1).to(self.device, torch.float64) * self._weight for b in buffers),
         ])
         wait_all([pg.allreduce([side])], self._flags, self._gen, self._timeout_s)
         offset = len(metrics)
         with torch.no_grad():
             for b in buffers:
-                local = _local(b)
+                local = local_part(b)
                 mean = side[offset : offset + local.numel()].view_as(local)
                 local.copy_(mean if local.is_floating_point() else mean.round())
                 offset += local.numel()
@@ -262,8 +258,3 @@ def _copy_into(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for b, v in zip(buffers, values):
             b.copy_(v)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This proc's part of a tensor: its shard for a DTensor, the tensor itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
