@@ -25,9 +25,11 @@ from typing import Any, Callable, Optional
 import cloudpickle
 import torch
 from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from monarch_plugin.checksum import state_checksum
@@ -86,6 +88,23 @@ def arguments_doc() -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_training_loader(loader: object) -> None:
+    """Refuse, naming the fix, a training loader the strategy cannot cut into shares of a global batch: checked in
+    the launching process when `fit` is handed the loader, so nothing is spawned for it; in each replica otherwise
+    (a `train_dataloader()` hook or a datamodule builds it there)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        raise MisconfigurationException(
+            "MonarchStrategy shards each global batch over the live replicas by sample index: give fit a "
+            "torch DataLoader over a map-style Dataset (with __len__ and __getitem__); an IterableDataset has no "
+            "index to cut by (HF Trainer's callback supports streams, docs/hf.md)"
+        )
+    if loader.batch_size is None:
+        raise MisconfigurationException(
+            "MonarchStrategy builds the batches itself from one global cursor: give the training DataLoader "
+            "a batch_size (per replica, as with DDP) instead of a batch_sampler"
+        )
+
+
 class _MonarchLauncher(Launcher):
     def __init__(self, strategy) -> None:
         self._strategy = strategy
@@ -99,6 +118,10 @@ class _MonarchLauncher(Launcher):
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         fitting = trainer.state.fn == TrainerFn.FITTING
         model = args[0] if args else kwargs.get("model")
+        if fitting:
+            loader = args[1] if len(args) > 1 else kwargs.get("train_dataloaders")
+            if loader is not None and not isinstance(loader, LightningDataModule):
+                check_training_loader(loader)
         if fitting and not model.automatic_optimization:
             raise MisconfigurationException(
                 "MonarchStrategy redoes a step that a death interrupted (all of its accumulated micro-batches), "

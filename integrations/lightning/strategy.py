@@ -34,14 +34,14 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig, spell_fields
 from monarch_plugin.errors import ConfigError
 import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
-from monarch_plugin.integrations.lightning.launcher import ARGUMENTS, argument, arguments_doc
+from monarch_plugin.integrations.lightning.launcher import ARGUMENTS, argument, arguments_doc, check_training_loader
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
@@ -283,16 +283,7 @@ class MonarchStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if self._tx is None or not self.lightning_module.trainer.training:
             return dataloader
-        if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
-            raise MisconfigurationException(
-                "MonarchStrategy shards each global batch over the live replicas by sample index: return a "
-                "torch DataLoader over a map-style Dataset (with __len__ and __getitem__) from train_dataloader"
-            )
-        if dataloader.batch_size is None:
-            raise MisconfigurationException(
-                "MonarchStrategy builds the batches itself from one global cursor: give the training DataLoader "
-                "a batch_size (per replica, as with DDP) instead of a batch_sampler"
-            )
+        check_training_loader(dataloader)
         config = self._ctx.config
         k = config.procs_per_replica
         self._micro_batch_size = dataloader.batch_size * config.replicas * k

@@ -422,6 +422,11 @@ class _NotCPU(Accelerator):
         return "not_cpu"
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(lightning_fit.Regression(16, 4)[i] for i in range(16))
+
+
 def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="monarch", logger=False)
     assert isinstance(trainer.strategy, MonarchStrategy) and trainer.strategy.replicas == 2
@@ -460,6 +465,13 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     model.automatic_optimization = False
     with pytest.raises(MisconfigurationException, match=r"remove `self.automatic_optimization = False`"):
         trainer.fit(model, loader)
+    model.automatic_optimization = True
+    stream = DataLoader(_Stream(), batch_size=2)
+    with pytest.raises(MisconfigurationException, match=r"over a map-style Dataset .* an IterableDataset has no index"):
+        trainer.fit(model, stream)
+    sampled = DataLoader(lightning_fit.Regression(16, 4), batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(MisconfigurationException, match=r"give the training DataLoader a batch_size"):
+        trainer.fit(model, sampled)
     assert not events.exists()  # nothing was spawned
 
 
