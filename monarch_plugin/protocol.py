@@ -76,6 +76,9 @@ class Plan:
     members: list[int]
     action: Action = Action.TRAIN
     reason: str = ""
+    target: int = 0
+    """The replicas the controller is keeping the run at (`replicas`, more once a new machine grew it): what a
+    shrunk generation is short of."""
 
     def dumps(self) -> str:
         return json.dumps({**asdict(self), "action": self.action.value})
@@ -83,7 +86,8 @@ class Plan:
     @classmethod
     def loads(cls, text: str | bytes) -> "Plan":
         raw = json.loads(text)
-        return cls(gen=raw["gen"], members=list(raw["members"]), action=Action(raw["action"]), reason=raw["reason"])
+        return cls(gen=raw["gen"], members=list(raw["members"]), action=Action(raw["action"]), reason=raw["reason"],
+                   target=raw["target"])
 
 
 class Key:

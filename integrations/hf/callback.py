@@ -422,9 +422,10 @@ class MonarchElasticCallback(TrainerCallback):
         control.should_save = control.should_save and self.is_main_replica
 
     def _annotate_log(self, logs: dict) -> None:
-        """Training log lines (HF's, with the loss, and the resize lines above) carry the live replica count."""
+        """Training log lines (HF's, with the loss, and the resize lines above) carry the runtime's `elastic/*`
+        metrics, with the replica count of the step they log."""
         if self.active and self._committed_world and (not logs or "loss" in logs):
-            logs["elastic/replicas"] = float(self._committed_world)
+            logs.update({**self._tx.metrics(), "elastic/replicas": float(self._committed_world)})
             self._logged_world = self._committed_world
 
     def on_epoch_end(self, args, state, control, **kwargs):

@@ -203,7 +203,7 @@ class MonarchTrainer(Trainer):
             loss = dist_utils.dist_sum(total, loss_mesh)
             self.metrics_processor.log(
                 self.step, loss, dist_utils.dist_max(local_avg, loss_mesh), float(grad_norm.item()),
-                extra_metrics={"n_tokens_seen": self.ntokens_seen, "elastic/replicas": tx.world, **lr_metrics},
+                extra_metrics={"n_tokens_seen": self.ntokens_seen, **tx.metrics(), **lr_metrics},
             )
         self.last_commit = CommittedStep(step=self.step, generation=tx.gen, replicas=tx.world, loss=loss,
                                          samples=samples)

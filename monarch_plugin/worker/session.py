@@ -68,6 +68,7 @@ class ReplicaSession:
         self.world = 1
         self.members: list[int] = []
         self.action = Action.TRAIN
+        self.target = ctx.config.replicas
         self.pg = None
         self.intra = None  # this replica's own procs; they die together, so it is formed once
         self.fresh = True
@@ -193,7 +194,7 @@ class ReplicaSession:
             address=self.ctx.bind_address,
         )
         self.gen, self.rank, self.world, self.members = g, rank, world, list(members)
-        self.action = plan.action
+        self.action, self.target = plan.action, plan.target
         self._broken = self._regroup_agreed = False
         self.ctx.events.emit(
             "join", replica=self.ctx.replica_id, gen=g, rank=rank, world=world, members=members,

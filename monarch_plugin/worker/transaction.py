@@ -22,7 +22,6 @@ in torchtitan). The state a newcomer heals from is the front end's (a `StateProv
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from typing import Callable
@@ -66,6 +65,11 @@ class StepTransaction:
         self._weight = 1.0
         self._announced_gen = -1
         self._progress_at = 0.0
+        self._dropped_at: float | None = None
+        self.recoveries = 0
+        """Steps this proc had dropped for a failure and then, in a new generation, committed."""
+        self.last_recovery_s: float | None = None
+        """The newest of those: seconds from the drop to the commit, the pause in training as this proc lived it."""
 
     @property
     def gen(self) -> int:
@@ -118,6 +122,8 @@ class StepTransaction:
             return self.session.reduce(self.reducer, self._weight, list(metrics))
         except CollectiveInterrupted as e:
             zero_grad()
+            if self._dropped_at is None:
+                self._dropped_at = time.monotonic()
             self.ctx.events.emit("dropped_step", replica=self.ctx.replica_id, step=step, gen=self.gen,
                                  reason=type(e).__name__)
             return None
@@ -130,10 +136,22 @@ class StepTransaction:
             self.ctx.events.emit("first_commit", replica=self.ctx.replica_id, gen=self.gen, step=step,
                                  world=self.world)
         now = time.monotonic()
+        if self._dropped_at is not None:
+            self.recoveries += 1
+            self.last_recovery_s, self._dropped_at = now - self._dropped_at, None
         if self.rank == 0 and self.ctx.local_rank == 0 and now - self._progress_at >= PROGRESS_INTERVAL_S:
             self._progress_at = now
-            self.ctx.events.emit("progress", level=logging.DEBUG, replica=self.ctx.replica_id, gen=self.gen,
-                                 step=step, world=self.world)
+            self.ctx.events.emit("progress", replica=self.ctx.replica_id, gen=self.gen, step=step, world=self.world)
+
+    def metrics(self) -> dict[str, float]:
+        """What a front end logs each step, as `elastic/*` metrics through its framework's logger: the replicas
+        live in this step and the run's target, the recoveries this proc lived through and, once there was one,
+        the newest's pause in seconds."""
+        metrics = {"elastic/replicas": float(self.world), "elastic/target": float(self.session.target),
+                   "elastic/recoveries": float(self.recoveries)}
+        if self.last_recovery_s is not None:
+            metrics["elastic/last_recovery_s"] = round(self.last_recovery_s, 3)
+        return metrics
 
     def finish(self, committed: Callable[[], int]) -> None:
         """After the last step: leave once every live replica has committed it. A death meanwhile is healed

@@ -145,6 +145,10 @@ def test_sigkill_of_the_writer_mid_epoch_train_survives_shrinks_regrows_exactly(
     assert [h["elastic/replicas"] for h in history if "loss" in h][0] == 3.0
     replicas = [h["elastic/replicas"] for h in history if "elastic/replicas" in h]
     assert replicas[-1] == 3.0 and 2.0 in replicas
+    # ...and the run's target, and the one recovery the new main replica lived through (its pause in seconds).
+    assert {h["elastic/target"] for h in history if "elastic/target" in h} == {3.0}
+    last = [h for h in history if "elastic/recoveries" in h][-1]
+    assert last["elastic/recoveries"] == 1.0 and 0 < last["elastic/last_recovery_s"] < 30, last
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
 

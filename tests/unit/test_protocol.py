@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_plan_round_trips_through_the_store_text():
-    plan = Plan(gen=3, members=[0, 2], action=Action.CHECKPOINT, reason="giving up: too few replicas")
+    plan = Plan(gen=3, members=[0, 2], action=Action.CHECKPOINT, reason="giving up: too few replicas", target=3)
     assert Plan.loads(plan.dumps()) == plan
     assert Plan.loads(plan.dumps().encode()).action is Action.CHECKPOINT  # the store hands back bytes
 
