@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, dest=f.name, type=_TYPES[f.type], default=default, choices=_CHOICES.get(f.name),
                        metavar=None if f.name in _CHOICES else flag[2:].upper().replace("-", "_"),
                        help=doc if default in (None, []) else f"{doc} (default: %(default)s)")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="what the run logs: INFO (default) the run's start and end and one line for each failure "
+                        "(what happened, what the run did); DEBUG every event; WARNING only failures and give-ups")
+    p.add_argument("--quiet", dest="log_level", action="store_const", const="WARNING", help="--log-level WARNING")
     p.add_argument("-m", dest="module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("target", help="training script (or module with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the training script")
@@ -63,7 +67,7 @@ def _spelled(error: Exception) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=ns.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from monarch_plugin.target import Target
 
     try:

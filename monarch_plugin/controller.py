@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import queue
 import socket
@@ -44,6 +45,8 @@ from monarch_plugin.worker.checkpoint import newest
 from monarch_plugin.worker.session import FORMATION_BOUND_S
 
 __all__ = ["ElasticController", "RunResult"]
+
+logger = logging.getLogger("monarch_plugin")
 
 _STALL_GRACE_S = 0.5
 _PROBE_TIMEOUT_S = 5.0
@@ -355,8 +358,8 @@ class ElasticController:
         elif replica.state != ReplicaState.DEAD:
             replica.state = ReplicaState.STOPPED
 
-    def _on_death(self, replica: _Replica, how: str) -> None:
-        self._on_deaths([replica], how)
+    def _on_death(self, replica: _Replica, how: str, why: str = "") -> None:
+        self._on_deaths([replica], how, why)
 
     def _on_host_lost(self, host: int, how: str) -> None:
         """Every replica on the host is gone at once: one generation change, not one per replica."""
@@ -377,10 +380,12 @@ class ElasticController:
                 self.wanted = grown
         self._schedule_respawn()
 
-    def _on_deaths(self, replicas: list[_Replica], how: str) -> None:
+    def _on_deaths(self, replicas: list[_Replica], how: str, why: str = "") -> None:
+        """`how`: what noticed it (the events' `detected_by`); `why`: what the probe found in a hung one."""
         dead = [r for r in replicas if r.state not in (ReplicaState.DEAD, ReplicaState.FINISHED, ReplicaState.STOPPED)]
         if not dead:
             return
+        spawning = len(self._respawn_at)
         lost_members = []
         for replica in dead:
             was_member = replica.state == ReplicaState.MEMBER
@@ -399,21 +404,34 @@ class ElasticController:
                 lost_members.append(replica.rid)
         if self._closing.is_set():
             return
+        ids = [r.rid for r in dead]
+        what = (f"replica {ids[0]}" if len(ids) == 1 else f"replicas {ids}") + f" died ({how}{': ' + why if why else ''})"
+        where = sorted({self.hosts.host_of(r).name for r in ids})
+        if (self.config.hosts or self.config.hosts_file) and not all(w in how for w in where):
+            what += f" on {', '.join(where)}"
         if lost_members:
             survivors = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
-            why = policies.below_min(len(survivors), self.config)
-            if why:
-                self._give_up(why)
+            stop = policies.below_min(len(survivors), self.config)
+            if stop:
+                logger.warning("%s: the run stops (%s)", what, stop)
+                self._give_up(stop)
                 return
             members = policies.next_members(survivors, self._ready_waiting(), self.wanted)
             who = f"replica {lost_members[0]}" if len(lost_members) == 1 else f"replicas {lost_members}"
             self._announce(members, reason=f"{who} died", interrupt=True)
-        why = policies.crash_loop(self.early_deaths, self.config)
-        if why:
-            self._give_up(why)
+            spares = [m for m in members if m not in survivors]
+            what += f": training goes on with replicas {members}" + (f" (hot spare {spares} admitted)" if spares else "")
+        else:
+            what += " before it trained"
+        stop = policies.crash_loop(self.early_deaths, self.config)
+        if stop:
+            logger.warning("%s; the run stops (%s)", what, stop)
+            self._give_up(stop)
             return
         for _ in dead:
             self._schedule_respawn()
+        started = len(self._respawn_at) - spawning
+        logger.warning("%s%s", what, f"; {started} replacement(s) starting" if started > 0 else "")
 
     def _schedule_respawn(self) -> None:
         live = sum(r.state.live for r in self.replicas.values())
@@ -470,7 +488,7 @@ class ElasticController:
         self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how, why=why,
                          probed=probed)
         self.hosts.kill(replica.rid)
-        self._on_death(replica, how)
+        self._on_death(replica, how, why)
 
     def _check_stalled(self) -> None:
         key = Key.stalled(self.gen)
@@ -545,7 +563,8 @@ class ElasticController:
         previous = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         self.members = list(members)
         self.plans[g] = self.members
-        self.store.set(Key.plan(g), Plan(gen=g, members=self.members, action=action, reason=reason).dumps())
+        self.store.set(Key.plan(g), Plan(gen=g, members=self.members, action=action, reason=reason,
+                                                 target=self.wanted).dumps())
         self.store.set(Key.LATEST, str(g))
         self._announced_at = time.monotonic()
         for m in self.members:

@@ -13,9 +13,19 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["EventLog", "read_events"]
+__all__ = ["EventLog", "LEVELS", "read_events"]
 
 logger = logging.getLogger("monarch_plugin")
+
+LEVELS = {
+    **dict.fromkeys(("spawn", "ready", "quorum", "join", "join_retry", "dropped_step", "heal", "first_commit",
+                     "progress", "respawn_scheduled", "finished", "death", "hang"), logging.DEBUG),
+    **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "give_up",
+                     "host_unreachable", "host_refused"), logging.WARNING),
+}
+"""The log level of each event kind (INFO if not listed). The steps of a recovery are DEBUG: the controller logs
+one WARNING line for each failure instead, saying what happened and what the run did. `--log-level DEBUG` shows
+every event."""
 
 
 class EventLog:
@@ -28,7 +38,7 @@ class EventLog:
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    def emit(self, kind: str, message: str | None = None, level: int = logging.INFO, **fields: Any) -> dict:
+    def emit(self, kind: str, message: str | None = None, level: int | None = None, **fields: Any) -> dict:
         record = {"ts": time.time(), "event": kind, "source": self.source, **fields}
         if message:
             record["message"] = message
@@ -41,7 +51,8 @@ class EventLog:
                 finally:
                     os.close(fd)
         details = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("traceback",))
-        logger.log(level, "[%s] %s%s", self.source, kind, f": {message}" if message else f" {details}")
+        logger.log(LEVELS.get(kind, logging.INFO) if level is None else level, "[%s] %s%s", self.source, kind,
+                   f": {message}" if message else f" {details}")
         return record
 
 
