@@ -41,6 +41,7 @@ from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig, spell_fields
 from monarch_plugin.errors import ConfigError
 import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
+from monarch_plugin.integrations.lightning.checkpoint_io import AtomicCheckpointIO
 from monarch_plugin.integrations.lightning.launcher import ARGUMENTS, argument, arguments_doc, check_training_loader
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
@@ -73,6 +74,7 @@ class MonarchStrategy(ParallelStrategy):
         store_host: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
+        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())  # Trainer(plugins=[...]) still replaces it
         super().__init__(**kwargs)
         self.min_replicas = min_replicas
         self.max_replicas = max_replicas
@@ -388,8 +390,9 @@ class MonarchStrategy(ParallelStrategy):
                 self._start_window()
             args = (self._batches.batch_for(args[0], self._micro), *args[1:])
             self._micro += 1
-            self.lightning_module.log("elastic/replicas", float(self._tx.world), prog_bar=True,
-                                      on_step=True, on_epoch=False, batch_size=1)
+            for name, value in self._tx.metrics().items():  # the bar shows the replicas, target, last pause
+                self.lightning_module.log(name, value, prog_bar=name != "elastic/recoveries", on_step=True,
+                                          on_epoch=False, batch_size=1)
         return args
 
     def _start_window(self) -> None:
