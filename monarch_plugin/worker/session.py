@@ -62,6 +62,8 @@ class ReplicaSession:
         self.provider = provider
         self.backend = resolve_backend(ctx.config.cross_backend)
         self.device = device_for_backend(self.backend, ctx.local_rank)
+        if self.device.type == "cuda":  # NCCL binds a group to the current device: this lane's, not GPU 0
+            torch.cuda.set_device(self.device)
         self.timeout_s = ctx.config.collective_timeout_s
         self.gen = -1
         self.rank = 0
