@@ -27,6 +27,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from conftest import alive as _alive
+
 __all__ = ["Chaos", "KINDS", "seed_from_env"]
 
 OUTSIDE = ("sigkill", "sigsegv", "sigstop", "two_at_once", "death_during_recovery", "last_step")
@@ -100,6 +102,18 @@ class Chaos:
     def _reserved(self) -> dict[str, int]:
         """The replica each launch-time fault of the schedule hits."""
         return {"exit": 1, "donor_mid_heal": 0, "newcomer_mid_heal": self.replicas}
+
+    def fault_args(self) -> tuple[str, ...]:
+        """`--fault ...` for the front end's launcher (nothing if no launch-time fault was drawn)."""
+        return ("--fault", self.faults()) if self.faults() else ()
+
+    def survive(self, run, progress) -> None:
+        """Inject the schedule into the started `run`, then check that it finished, that its events tell exactly
+        what was injected, and that no process of it is left."""
+        self.inject(run, progress)
+        assert run.wait(timeout=180) == 0, f"{self}\n{run.output}"
+        self.check_events(run)
+        assert not any(_alive(pid) for pids in run.pids().values() for pid in pids), str(self)
 
     def faults(self) -> str:
         """The `--fault` setting for the schedule's launch-time failures ('' if none)."""

@@ -140,6 +140,15 @@ class ElasticRun:
         except FileNotFoundError:
             return ""
 
+    def kill_controller(self, within: float = 30.0) -> None:
+        """SIGKILL the controller (its machine is gone) and wait for every replica to end with it."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.wait(timeout=30)
+        deadline = time.monotonic() + within
+        while any(alive(p) for pids in self.pids().values() for p in pids):
+            assert time.monotonic() < deadline, f"replicas outlived their controller: {self.pids()}"
+            time.sleep(0.1)
+
     def cleanup(self) -> None:
         for pids in self.pids().values():
             for pid in pids:

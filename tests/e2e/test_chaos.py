@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from chaos import Chaos, seed_from_env
-from conftest import alive, front_end_runs
+from conftest import front_end_runs
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,14 +25,11 @@ def test_plain_loop_survives_a_seeded_draw_of_failures(elastic_run):
     chaos = Chaos(seed_from_env(), total=total, replicas=3)
     print(chaos)
     run = elastic_run()
-    faults = ("--fault", chaos.faults()) if chaos.faults() else ()
-    run.start("--replicas", "3", "--min-replicas", "1", "--collective-timeout", "5", "--join-timeout", "120", *faults,
+    run.start("--replicas", "3", "--min-replicas", "1", "--collective-timeout", "5", "--join-timeout", "120",
+              *chaos.fault_args(),
               script_args=("--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
                            "--step-sleep", "0.1", "--out", str(run.out)))
-    chaos.inject(run, lambda: run.progress(chaos.witness))
-    assert run.wait(timeout=180) == 0, f"{chaos}\n{run.output}"
-
-    chaos.check_events(run)
+    chaos.survive(run, lambda: run.progress(chaos.witness))
     results = run.results()
     witness = results[chaos.witness]
     assert witness["initial"] and witness["pid"] == run.pids()[chaos.witness][0], chaos
@@ -40,7 +37,6 @@ def test_plain_loop_survives_a_seeded_draw_of_failures(elastic_run):
         assert set(counts) == {1.0}, f"epoch {epoch}: {counts} [{chaos}]"
     assert {r["step"] for r in results.values()} == {total}, (results, str(chaos))
     assert len({r["checksum"] for r in results.values()}) == 1, (results, str(chaos))
-    assert not any(alive(pid) for pids in run.pids().values() for pid in pids), chaos
 
 
 @pytest.fixture
@@ -56,22 +52,17 @@ def test_lightning_fit_survives_a_seeded_draw_of_failures(lightning_run):
     total = epochs * samples // (batch * devices)
     chaos = Chaos(seed_from_env(), total=total, replicas=devices)
     print(chaos)
-    faults = ("--fault", chaos.faults()) if chaos.faults() else ()
     # A replacement takes 10-15 s to start here: a hot spare refills at once, and the compute of a step grows with
     # a replica's share (as a real model's), so a shrunk group trains slower and lasts until its replacements join.
     run = lightning_run().start("--devices", str(devices), "--min-replicas", "1", "--collective-timeout", "5",
                                 "--spares", "1", "--epochs", str(epochs), "--samples", str(samples),
-                                "--batch", str(batch), "--sample-sleep", "0.0125", *faults)
-    chaos.inject(run, lambda: run.progress(chaos.witness))
-    assert run.wait(timeout=180) == 0, f"{chaos}\n{run.output}"
-
-    chaos.check_events(run)
+                                "--batch", str(batch), "--sample-sleep", "0.0125", *chaos.fault_args())
+    chaos.survive(run, lambda: run.progress(chaos.witness))
     result = run.result()
     assert result["state"] == "finished" and result["global_step"] == total, (result, str(chaos))
     assert str(chaos.witness) in result["replica_checksums"], chaos
     assert set(result["replica_checksums"].values()) == {result["checksum"]}, (result, str(chaos))
     _every_sample_once_per_epoch(result)  # counted by the gradients, in weights every finisher holds
-    assert not any(alive(pid) for pids in run.pids().values() for pid in pids), chaos
 
 
 @pytest.fixture
@@ -85,16 +76,12 @@ def test_hf_train_survives_a_seeded_draw_of_failures(hf_run):
     total = epochs * samples // (batch * replicas)
     chaos = Chaos(seed_from_env(), total=total, replicas=replicas)
     print(chaos)
-    faults = ("--fault", chaos.faults()) if chaos.faults() else ()
     run = hf_run().start("--replicas", str(replicas), "--min-replicas", "1", "--collective-timeout", "5",
-                         "--spares", "1", *faults,
+                         "--spares", "1", *chaos.fault_args(),
                          script_args=("--replicas", str(replicas), "--count", "--max-grad-norm", "0",
                                       "--batch", str(batch), "--samples", str(samples), "--epochs", str(epochs),
                                       "--sample-sleep", "0.025"))
-    chaos.inject(run, lambda: run.progress(chaos.witness))
-    assert run.wait(timeout=180) == 0, f"{chaos}\n{run.output}"
-
-    chaos.check_events(run)
+    chaos.survive(run, lambda: run.progress(chaos.witness))
     results = run.results()
     witness = results[str(chaos.witness)]
     assert witness["initial"] and witness["pid"] == run.pids()[chaos.witness][0], chaos
@@ -102,4 +89,3 @@ def test_hf_train_survives_a_seeded_draw_of_failures(hf_run):
     assert {r["global_step"] for r in results.values()} == {total}, str(chaos)
     counts = torch.tensor(witness["counts"])  # counted by the gradients
     torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
-    assert not any(alive(pid) for pids in run.pids().values() for pid in pids), chaos

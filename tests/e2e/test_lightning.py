@@ -78,6 +78,19 @@ def _every_sample_once_per_epoch(result: dict) -> None:
     assert torch.allclose(counts, torch.ones_like(counts), atol=1e-4), counts
 
 
+def _resumed_like_one_process(resumed: LightningRun, single: LightningRun, steps: int) -> None:
+    """`fit(ckpt_path=...)` restored the checkpoint and ended where one process that never stopped ended: the same
+    global step and weights, every sample once per epoch."""
+    assert resumed.wait(timeout=150) == 0, resumed.output
+    assert single.wait(timeout=60) == 0, single.output
+    assert "Restored all states from the checkpoint" in resumed.output
+    assert resumed.result()["global_step"] == single.result()["global_step"] == steps
+    _every_sample_once_per_epoch(resumed.result())
+    mine = torch.load(resumed.out / "weights.pt")
+    for name, tensor in torch.load(single.out / "weights.pt").items():
+        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.timeout(240)
 def test_sigkill_of_rank_zero_mid_epoch_fit_survives_with_exact_steps_data_and_checkpoints(lightning_run):
     epochs, samples, batch, devices = 10, 240, 8, 3
@@ -382,14 +395,7 @@ def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightni
     assert [c["replica"] for c in stopped.events("checkpoint")] == [1]
 
     resumed = lightning_run().start("--resume", give_up[0]["checkpoint"], *common)
-    assert resumed.wait(timeout=150) == 0, resumed.output
-    assert single.wait(timeout=60) == 0, single.output
-    assert "Restored all states from the checkpoint" in resumed.output
-    assert resumed.result()["global_step"] == single.result()["global_step"] == 12
-    _every_sample_once_per_epoch(resumed.result())
-    mine = torch.load(resumed.out / "weights.pt")
-    for name, tensor in torch.load(single.out / "weights.pt").items():
-        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    _resumed_like_one_process(resumed, single, steps=12)
 
 
 @pytest.mark.timeout(300)
@@ -403,26 +409,14 @@ def test_lost_controller_costs_the_steps_since_modelcheckpoint_and_fit_resumes_e
                                    *common)
     single = lightning_run().start("--strategy", "single", "--devices", "3", "--batch", "8", *common)
     killed.wait_for(lambda: killed.progress(0) >= 17, timeout=150, what="17 committed steps")
-    os.kill(killed.proc.pid, signal.SIGKILL)
-    killed.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while any(alive(p) for pids in killed.pids().values() for p in pids):
-        assert time.monotonic() < deadline, f"replicas outlived their controller: {killed.pids()}"
-        time.sleep(0.1)
+    killed.kill_controller()
     # Each checkpoint file is whole (written to a temporary name, then renamed), so the newest one loads.
     saved = sorted(int(p.stem.split("=")[1]) for p in (killed.out / "ckpts").glob("step=*.ckpt"))
     assert saved[:3] == [5, 10, 15] and not list((killed.out / "ckpts").glob("*.tmp*")), saved
     newest = killed.out / "ckpts" / f"step={saved[-1]}.ckpt"
 
     resumed = lightning_run().start("--devices", "2", "--batch", "12", "--resume", str(newest), *common)
-    assert resumed.wait(timeout=150) == 0, resumed.output
-    assert single.wait(timeout=60) == 0, single.output
-    assert "Restored all states from the checkpoint" in resumed.output
-    assert resumed.result()["global_step"] == single.result()["global_step"] == 40
-    _every_sample_once_per_epoch(resumed.result())
-    mine = torch.load(resumed.out / "weights.pt")
-    for name, tensor in torch.load(single.out / "weights.pt").items():
-        torch.testing.assert_close(mine[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    _resumed_like_one_process(resumed, single, steps=40)
 
 
 class _NotCPU(Accelerator):
