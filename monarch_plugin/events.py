@@ -50,9 +50,10 @@ class EventLog:
                     os.write(fd, line.encode())
                 finally:
                     os.close(fd)
-        details = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("traceback",))
-        logger.log(LEVELS.get(kind, logging.INFO) if level is None else level, "[%s] %s%s", self.source, kind,
-                   f": {message}" if message else f" {details}")
+        level = LEVELS.get(kind, logging.INFO) if level is None else level
+        if logger.isEnabledFor(level):  # most events are DEBUG lines nobody shows: don't format them
+            details = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("traceback",))
+            logger.log(level, "[%s] %s%s", self.source, kind, f": {message}" if message else f" {details}")
         return record
 
 
