@@ -7,7 +7,10 @@ existed. Expected values are computed here from the raw events, not through `rep
 
 from __future__ import annotations
 
+import html
+import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -140,6 +143,47 @@ def test_the_page_marks_the_death_drop_heal_and_each_phase_of_the_recovery(page)
         assert any(tip.startswith(f"{phase} at t=") for tip in tips), phase
         assert f">{phase}</text>" in page  # labelled on the picture, not only in tooltips
     assert "goodput = committed steps per second" in page  # the summary sits under the picture
+
+
+# Put around the page in a copy: the first script records every error the page raises (before the page's own
+# script runs), the last one moves the pointer over the plot and over a mark, as a user would, and writes what the
+# page showed into the DOM, which `--dump-dom` prints.
+_RECORD_ERRORS = """<script>window.pageErrors = [];
+window.addEventListener("error", (e) => pageErrors.push(String(e.message)));
+window.addEventListener("unhandledrejection", (e) => pageErrors.push(String(e.reason)));</script>"""
+_POINT_AND_REPORT = """<script>(() => {  // its own scope: the page's script has top-level consts of these names
+const chart = document.querySelector("#chart svg"), box = chart.getScreenCTM();
+const inPlot = new DOMPoint((data.x0 + data.x1) / 2, 0).matrixTransform(box);
+chart.dispatchEvent(new MouseEvent("mousemove", {bubbles: true, clientX: inPlot.x, clientY: inPlot.y}));
+const readout = document.getElementById("readout").textContent;
+const mark = [...document.querySelectorAll(".tip")].find((g) => g.dataset.tip.includes("died")), r = mark.getBoundingClientRect();
+mark.dispatchEvent(new MouseEvent("mousemove", {bubbles: true, clientX: r.x + r.width / 2, clientY: r.y + r.height / 2}));
+const tip = document.getElementById("tip");
+const pre = document.createElement("pre");
+pre.id = "harness";
+pre.textContent = JSON.stringify({errors: pageErrors, readout, tip: tip.hidden ? null : tip.textContent});
+document.body.append(pre);
+})();</script>"""
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="no chromium on PATH (.ci/run installs Debian's: apt-get install chromium)")
+def test_the_page_loads_in_a_real_browser_without_errors_and_answers_the_pointer(page, tmp_path):
+    harnessed = tmp_path / "harnessed.html"
+    harnessed.write_text(page.replace("<head>", "<head>" + _RECORD_ERRORS, 1)
+                         .replace("</body>", _POINT_AND_REPORT + "</body>", 1))
+    dom = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", "--virtual-time-budget=5000",
+         f"--user-data-dir={tmp_path / 'profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
+         harnessed.as_uri()],
+        capture_output=True, text=True, timeout=45).stdout
+    found = re.search(r'<pre id="harness">(.*?)</pre>', dom, re.S)
+    assert found, f"the page's script did not run to its end; the browser printed:\n{dom[-2000:]}"
+    shown = json.loads(html.unescape(found[1]))
+    assert shown["errors"] == []
+    assert re.fullmatch(r"t = [\d.]+ s · [1-9] replica\(s\) · ([\d.]+ committed steps/s|no commit recorded around here)",
+                        shown["readout"]), shown["readout"]
+    assert shown["tip"] and "replica 1 died on this machine" in shown["tip"]
 
 
 def test_the_png_is_drawn_without_progress_events_too(tmp_path):
