@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type == "bool":
             p.add_argument(flag, dest=f.name, action="store_true", help=doc)
             continue
+        if f.type == "bool | None":  # --flag / --no-flag, and neither leaves the field's automatic choice
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
+            continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         p.add_argument(flag, dest=f.name, type=_TYPES[f.type], default=default, choices=_CHOICES.get(f.name),
                        metavar=None if f.name in _CHOICES else flag[2:].upper().replace("-", "_"),

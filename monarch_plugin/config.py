@@ -66,6 +66,13 @@ class ElasticConfig:
     no model build on the critical path). Each holds its memory but little CPU; a new spare is spawned
     to replace the one used."""
 
+    forkserver: bool | None = None
+    """Start the replica processes on this machine by forking a server that has imported torch and the training
+    code's framework (Lightning, transformers, torchtitan) once, instead of as fresh interpreters that each import
+    them again: a replacement's process is ready in under a second (`monarch_plugin.forkserver`). None: on for CPU
+    runs, off on GPU builds (untested there; a library that touched the CUDA driver at import would leave every
+    forked child without CUDA). The hosts of a multi-host run start theirs the usual way."""
+
     max_restarts: int = 10
     """Replacements spawned over the whole run before the controller gives up (torchrun's --max-restarts)."""
 

@@ -115,7 +115,7 @@ class ElasticController:
         shared = [os.getcwd(), os.path.dirname(os.path.abspath(config.events_path or "x"))]
         if target.kind == "script":
             shared.append(os.path.abspath(target.entry))
-        self.hosts = Hosts(config, self.events, self._q, shared)
+        self.hosts = Hosts(config, self.events, self._q, shared, target.imports)
         self._closing = threading.Event()
         self._respawn_at: list[tuple[float, bool]] = []  # (when, whether it replaces a loss: counts as a restart)
         self._no_room = False

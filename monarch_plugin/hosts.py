@@ -32,6 +32,7 @@ from monarch_plugin.config import ElasticConfig, parse_host
 from monarch_plugin.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog
+from monarch_plugin.forkserver import ForkServer, preload_for
 from monarch_plugin.pidwatch import PidWatch
 from monarch_plugin.protocol import Key, watcher_names
 from monarch_plugin.worker.lease import lease_s
@@ -74,7 +75,8 @@ class Host:
 class Hosts:
     """The run's hosts: placing replicas on them, spawning their proc meshes, and watching for deaths."""
 
-    def __init__(self, config: ElasticConfig, events: EventLog, report: queue.Queue, paths: list[str]):
+    def __init__(self, config: ElasticConfig, events: EventLog, report: queue.Queue, paths: list[str],
+                 imports: list[str]):
         self.config = config
         self.paths = paths
         """What every host must see at the same path (a shared filesystem): a host that does not is refused."""
@@ -88,6 +90,8 @@ class Hosts:
         self._where: dict[int, int] = {}  # replica -> host index
         self._tried: set[str] = set()  # addresses attached, or tried
         self._failures: list[tuple[str, str]] = []  # (address, why) of the hosts that could not be used
+        self._forkserver: ForkServer | None = None  # this machine's procs start from it
+        self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
         if not config.multi_host:  # planned now, so a shortage of GPUs is a ConfigError before anything starts
             slots = config.replicas + config.spares
@@ -102,6 +106,10 @@ class Hosts:
         self._store = store
         if not self.config.multi_host:
             self._local = PidWatch(lambda replica, pid: self._report.put(("died", replica, f"pidfd (pid {pid} exited)")))
+            forked = self.config.forkserver
+            if forked if forked is not None else accelerator_kind() == "cpu":
+                self._forkserver = ForkServer(preload_for(set(self._imports)))
+                self._forkserver.start()
             return
         from monarch.actor import enable_transport
 
@@ -130,6 +138,8 @@ class Hosts:
         self._closing.set()
         if self._local is not None:
             self._local.close()
+        if self._forkserver is not None:
+            self._forkserver.stop()
         stoppers = [threading.Thread(target=_stop, args=(h.watcher_procs,), daemon=True)
                     for h in self.hosts if h.live and h.watcher_procs is not None]
         for t in stoppers:
@@ -178,7 +188,8 @@ class Hosts:
         if host.mesh is None:
             from monarch.actor import this_host
 
-            return this_host().spawn_procs(per_host={"procs": procs}, name=name)
+            command = self._forkserver.bootstrap_command() if self._forkserver is not None else None
+            return this_host().spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=command)
         return host.mesh.spawn_procs(per_host={"procs": procs}, name=name)
 
     # -- deaths ---------------------------------------------------------------------------------------------

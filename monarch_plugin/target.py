@@ -8,7 +8,9 @@ loads itself, after entering the controller's working directory and sys.path, as
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
 import os
 import runpy
 import sys
@@ -28,12 +30,13 @@ class Target:
     cwd: str = field(default_factory=os.getcwd)  # every kind runs here; `-m` resolves modules from here
     payload: bytes = b""  # a function target: its cloudpickled (fn, args, kwargs)
     sys_path: list[str] = field(default_factory=list)  # a function target: the controller's, to unpickle it
+    imports: list[str] = field(default_factory=list)  # top-level packages its source file imports (read, not run)
 
     @classmethod
     def script(cls, path: str, args: list[str] | None = None) -> "Target":
         if not os.path.isfile(path):
             raise ConfigError(f"training script {path!r} not found: pass the path of a .py file")
-        return cls("script", os.path.abspath(path), list(args or []))
+        return cls("script", os.path.abspath(path), list(args or []), imports=_imports_of(path))
 
     @classmethod
     def module(cls, name: str, args: list[str] | None = None) -> "Target":
@@ -47,7 +50,7 @@ class Target:
             found = None
         if found is None:
             raise ConfigError(f"module {name!r} not found: check the name and that it is importable (-m)")
-        return cls("module", name, list(args or []))
+        return cls("module", name, list(args or []), imports=_imports_of(found.origin))
 
     @classmethod
     def function(cls, fn: Callable, *args: Any, **kwargs: Any) -> "Target":
@@ -61,7 +64,11 @@ class Target:
                 f"replicas ({type(e).__name__}: {e}): define it at module level and pass plain data"
             ) from e
         name = getattr(fn, "__qualname__", None) or repr(fn)
-        return cls("function", name, payload=payload, sys_path=list(sys.path))
+        try:
+            source = inspect.getsourcefile(fn if inspect.isroutine(fn) else type(fn))
+        except TypeError:  # a builtin or a callable object: nothing to read
+            source = None
+        return cls("function", name, payload=payload, sys_path=list(sys.path), imports=_imports_of(source))
 
     def describe(self) -> str:
         return f"{self.kind} {self.entry} {' '.join(map(str, self.args))}".strip()
@@ -102,3 +109,16 @@ class Target:
                 raise
         finally:
             sys.argv = saved_argv
+
+
+def _imports_of(path: str | None) -> list[str]:
+    """The top-level packages a Python source file imports anywhere in it; [] if it cannot be read as one."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, TypeError, ValueError):
+        return []
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    return sorted({name.split(".")[0] for name in names})

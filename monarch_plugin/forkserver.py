@@ -1,0 +1,346 @@
+"""Replica processes forked from a warm server instead of started as fresh interpreters.
+
+A fresh process pays its imports on every start: torch is 3 s of CPU here, Lightning 10 s (it imports
+torchmetrics, which imports transformers), torchtitan 10 s. A replacement paid them again after each death,
+and so did every initial replica at once, on cores the survivors were training on. `ForkServer` pays them
+once per run: a process that imports the frameworks the replicas will use, then forks a child for each proc
+Monarch starts (multiprocessing's forkserver, for Monarch procs).
+
+Monarch starts a proc by running its bootstrap command as a child of the host agent and supervises that
+child. The bootstrap command becomes `python -m monarch_plugin.forkserver SOCKET` (`client_main`), which
+imports nothing heavy (~30 ms): it sends its environment (Monarch's per-proc bootstrap settings in it), working
+directory and inherited descriptors (stdout and stderr are Monarch's log pipes) over a Unix socket, and the
+server forks a child that takes them over and runs Monarch's bootstrap (`monarch._src.actor.bootstrap_main`),
+so the child is the proc. The client stays as its stand-in: it forwards SIGTERM and SIGINT to the child and ends
+with the child's exit status or signal, which is what Monarch's supervision sees.
+
+Rules it keeps:
+- The server never imports Monarch: its runtime threads would not survive a fork (Monarch's WF-2). It stays
+  single-threaded, so a fork copies no lock held by another thread.
+- Lifetimes: the server ends with the process that started it (PR_SET_PDEATHSIG), a child is SIGKILLed when
+  the server goes (PR_SET_PDEATHSIG, which reaches a stopped process too) and when its client goes (a pidfd
+  watched by a thread). No process outlives the controller.
+- A child gets what a fresh interpreter would have: the client's environment, directory, `PYTHONPATH` entries
+  and process group, fresh random seeds; only the imported modules are shared (copy-on-write).
+- CUDA is never touched in the server; on a GPU build it is off by default all the same (`ElasticConfig
+  .forkserver`), since a library that initialises the driver at import would make every child's CUDA unusable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+__all__ = ["ALWAYS", "ForkServer", "PRELOADABLE", "client_main", "preload_for"]
+
+log = logging.getLogger(__name__)
+
+ALWAYS = ("torch", "torch._dynamo")
+"""Loaded for every run: torch, and what its first optimizer loads (`torch.optim.Optimizer()` imports dynamo, and
+with it DTensor and FSDP: 2 s of CPU here, which every replica paid at its first step)."""
+
+PRELOADABLE = ("numpy", "lightning", "pytorch_lightning", "transformers", "accelerate", "datasets",
+               "torchtitan.train")
+"""Frameworks the server may import as well, if the training code does: slow to import, and starting neither
+threads that hold locks nor any device. User code is never imported there (its import may do anything)."""
+
+READY_TIMEOUT_S = 120.0
+"""Bound on the server's imports; past it (or if it dies) replicas are started the usual way."""
+
+_BOOTSTRAP = "monarch._src.actor.bootstrap_main"
+_PR_SET_PDEATHSIG = 1
+_MAX_MESSAGE = 1 << 20
+
+
+def preload_for(imports: set[str]) -> list[str]:
+    """What the server imports: `ALWAYS`, and each `PRELOADABLE` framework whose top-level package is among
+    `imports` (those of the training code's source file, `Target.imports`)."""
+    return [*ALWAYS, *(m for m in PRELOADABLE if m.split(".")[0] in imports)]
+
+
+def _die_with_parent(sig: int) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+class ForkServer:
+    """The controller's handle on one server on this machine: start it, wait for its imports, stop it."""
+
+    def __init__(self, preload: list[str]):
+        self.preload = preload
+        self._dir = tempfile.mkdtemp(prefix="monarch-plugin-forkserver-")  # 0700: only this user connects
+        self.socket_path = os.path.join(self._dir, "socket")
+        self._proc: subprocess.Popen | None = None
+        self._ready: bool | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start the imports; `bootstrap_command` waits for them."""
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "monarch_plugin.forkserver", "--serve", self.socket_path, *self.preload],
+            stdin=subprocess.DEVNULL)
+
+    def bootstrap_command(self):
+        """The `BootstrapCommand` that starts a proc through this server, or None (the usual way) if the server
+        did not get ready within `READY_TIMEOUT_S`; said once, in the log."""
+        if not self._wait_ready():
+            return None
+        from monarch.actor import default_bootstrap_cmd
+
+        command = default_bootstrap_cmd()
+        command.args = ["-m", "monarch_plugin.forkserver", self.socket_path]
+        return command
+
+    def _wait_ready(self) -> bool:
+        with self._lock:  # the first spawner waits; the others find the answer
+            if self._ready is None:
+                deadline = time.monotonic() + READY_TIMEOUT_S
+                while not os.path.exists(self.socket_path) and self._proc.poll() is None \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                self._ready = os.path.exists(self.socket_path) and self._proc.poll() is None
+                if not self._ready:
+                    log.warning("the forkserver %s (importing %s): replicas start as fresh processes instead",
+                                f"exited with {self._proc.returncode}" if self._proc.poll() is not None
+                                else f"was not ready in {READY_TIMEOUT_S:.0f} s", ", ".join(self.preload))
+            return self._ready
+
+    def stop(self) -> None:
+        """Stop the server (after the replicas: its children die with it)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        for path in (self.socket_path, self._dir):
+            try:
+                os.rmdir(path) if path == self._dir else os.unlink(path)
+            except OSError:
+                pass
+
+
+# -- the server ---------------------------------------------------------------------------------------------
+
+def _serve(path: str, preload: list[str]) -> None:
+    _die_with_parent(signal.SIGTERM)
+    if os.getppid() == 1:
+        return
+    for module in preload:
+        __import__(module)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # a message each: no framing to get wrong
+    listener.bind(path + ".tmp")
+    listener.listen(64)
+    os.rename(path + ".tmp", path)  # it appears when it can be used
+    wake_r, wake_w = socket.socketpair()
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    children: dict[int, socket.socket] = {}  # pid -> its client's connection
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    try:
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is listener:
+                    conn, _ = listener.accept()
+                    pid = _fork_one(conn, [listener, wake_r, wake_w, *children.values()], selector)
+                    if pid is not None:
+                        children[pid] = conn
+                else:
+                    wake_r.recv(4096)
+                    _reap(children)
+    finally:
+        for pid in children:  # a stopped child ignores SIGTERM: SIGKILL is what PR_SET_PDEATHSIG sends anyway
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _fork_one(conn: socket.socket, own: list[socket.socket], selector) -> int | None:
+    conn.settimeout(10)
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 64)
+        request = json.loads(message)
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            selector.close()
+            for s in own:
+                s.close()
+            code = _become_proc(request, fds, conn)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001 - the child must end here, never back in the server's loop
+            import traceback
+
+            traceback.print_exc()
+            code = 1
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+        os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.send(json.dumps({"pid": pid}).encode())
+    except OSError:
+        pass  # its client is gone: the child sees that through its pidfd and ends
+    return pid
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        end = ({"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status)
+               else {"code": os.waitstatus_to_exitcode(status)})
+        try:
+            conn.send(json.dumps(end).encode())
+        except OSError:
+            pass
+        conn.close()
+
+
+def _become_proc(request: dict, fds: list[int], conn: socket.socket) -> int:
+    """In the child: take over the client's descriptors, environment and directory, then run Monarch's bootstrap."""
+    _die_with_parent(signal.SIGKILL)
+    targets = request["fds"]
+    top = max(targets + [conn.fileno()]) + 1
+    moved = [_dup_above(fd, top) for fd in fds]  # out of the targets' way first
+    for fd in fds:
+        os.close(fd)
+    for fd, target in zip(moved, targets):
+        os.dup2(fd, target)
+        os.close(fd)
+    conn.close()
+    client = request["client_pid"]
+    try:
+        os.setpgid(0, os.getpgid(client))  # in its client's group, which Monarch may signal as a whole
+    except OSError:
+        pass
+    _watch_client(client)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.argv = [request["argv0"]]
+    import random
+
+    random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+    import runpy
+
+    runpy.run_module(_BOOTSTRAP, run_name="__main__", alter_sys=True)
+    return 0
+
+
+def _dup_above(fd: int, floor: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, floor)
+
+
+def _watch_client(pid: int) -> None:
+    """SIGKILL this process when its client ends: Monarch stopping or killing a proc reaches the client."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os.kill(os.getpid(), signal.SIGKILL)
+        return
+
+    def wait() -> None:
+        watch = selectors.DefaultSelector()
+        watch.register(pidfd, selectors.EVENT_READ)
+        watch.select()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="forkserver-client-watch", daemon=True).start()
+
+
+# -- the client: Monarch's bootstrap command ----------------------------------------------------------------
+
+def client_main(path: str) -> int:
+    """Have the server fork this proc, stand in for it, and end as it ended."""
+    inherited = [fd for fd in _open_fds() if os.get_inheritable(fd)]  # what Monarch gave this process
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(path)
+    request = {"fds": inherited, "env": dict(os.environ), "cwd": os.getcwd(), "client_pid": os.getpid(),
+               "argv0": sys.argv[0]}
+    socket.send_fds(conn, [json.dumps(request).encode()], inherited)
+    first = conn.recv(4096)
+    if not first:
+        print(f"monarch-plugin forkserver at {path} closed before forking this proc", file=sys.stderr)
+        return 1
+    child = json.loads(first)["pid"]
+
+    def forward(sig, _frame):
+        try:
+            os.kill(child, sig)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    last = conn.recv(4096)
+    if not last:  # the server went, and took the child with it (PR_SET_PDEATHSIG)
+        return 1
+    end = json.loads(last)
+    if "signal" in end:  # end as the child did, so Monarch's supervision reads the same death
+        if end["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(end["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), end["signal"])
+        return 128 + end["signal"]
+    return end.get("code", 1)
+
+
+def _open_fds() -> list[int]:
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            os.fstat(int(name))
+            fds.append(int(name))
+        except OSError:
+            pass  # the directory listing's own descriptor, closed by now
+    return fds
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--serve"]:
+        _serve(argv[1], argv[2:])
+        return 0
+    return client_main(argv[0])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
