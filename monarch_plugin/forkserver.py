@@ -17,9 +17,9 @@ with the child's exit status or signal, which is what Monarch's supervision sees
 Rules it keeps:
 - The server never imports Monarch: its runtime threads would not survive a fork (Monarch's WF-2). It stays
   single-threaded, so a fork copies no lock held by another thread.
-- Lifetimes: the server ends with the process that started it (PR_SET_PDEATHSIG), a child is SIGKILLed when
-  the server goes (PR_SET_PDEATHSIG, which reaches a stopped process too) and when its client goes (a pidfd
-  watched by a thread). No process outlives the controller.
+- Lifetimes: the server ends with the process that started it (a pidfd in its loop; it SIGKILLs its children
+  as it goes), a child is SIGKILLed when the server goes (PR_SET_PDEATHSIG, which reaches a stopped process too)
+  and when its client goes (a pidfd watched by a thread). No process outlives the controller's process.
 - A child gets what a fresh interpreter would have: the client's environment, directory, `PYTHONPATH` entries
   and process group, fresh random seeds; only the imported modules are shared (copy-on-write).
 - CUDA is never touched in the server; on a GPU build it is off by default all the same (`ElasticConfig
@@ -28,10 +28,12 @@ Rules it keeps:
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import logging
 import os
+import select
 import selectors
 import signal
 import socket
@@ -69,11 +71,33 @@ def preload_for(imports: set[str]) -> list[str]:
 
 
 def _die_with_parent(sig: int) -> None:
+    """PR_SET_PDEATHSIG: `sig` when the thread that forked this process ends (the server's only thread)."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
+_SHARED: dict[tuple[str, ...], "ForkServer"] = {}
+_SHARED_LOCK = threading.Lock()
+
+
 class ForkServer:
-    """The controller's handle on one server on this machine: start it, wait for its imports, stop it."""
+    """A handle on one server on this machine: start it, wait for its imports, stop it.
+
+    `ForkServer.shared` keeps one per list of imports for the life of the process that runs controllers, as
+    multiprocessing keeps its forkserver: Lightning's `fit`, `validate` and `test` in one script, or a test suite's
+    runs, pay the imports once. It is stopped when that process exits, and ends by itself if that process dies.
+    """
+
+    @classmethod
+    def shared(cls, preload: list[str]) -> "ForkServer":
+        """This process's running server for `preload`, started now if there is none (or it has died)."""
+        with _SHARED_LOCK:
+            server = _SHARED.get(tuple(preload))
+            if server is None or server._proc.poll() is not None:
+                if not _SHARED:
+                    atexit.register(_stop_shared)
+                server = _SHARED[tuple(preload)] = cls(preload)
+                server.start()
+            return server
 
     def __init__(self, preload: list[str]):
         self.preload = preload
@@ -130,14 +154,26 @@ class ForkServer:
                 pass
 
 
+def _stop_shared() -> None:
+    with _SHARED_LOCK:
+        for server in _SHARED.values():
+            server.stop()
+        _SHARED.clear()
+
+
 # -- the server ---------------------------------------------------------------------------------------------
 
 def _serve(path: str, preload: list[str]) -> None:
-    _die_with_parent(signal.SIGTERM)
-    if os.getppid() == 1:
+    # The process that started it, watched as a process: PR_SET_PDEATHSIG would fire when the *thread* that
+    # started it ends, and a controller runs in whichever thread called it.
+    try:
+        parent = os.pidfd_open(os.getppid())
+    except ProcessLookupError:
         return
     for module in preload:
         __import__(module)
+        if select.select([parent], [], [], 0)[0]:  # it died meanwhile
+            return
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # a message each: no framing to get wrong
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -151,26 +187,29 @@ def _serve(path: str, preload: list[str]) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
+    selector.register(parent, selectors.EVENT_READ)
     try:
         while True:
             for key, _ in selector.select():
+                if key.fileobj == parent:
+                    return
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
-                    pid = _fork_one(conn, [listener, wake_r, wake_w, *children.values()], selector)
+                    pid = _fork_one(conn, [listener, wake_r, wake_w, *children.values()], parent, selector)
                     if pid is not None:
                         children[pid] = conn
                 else:
                     wake_r.recv(4096)
                     _reap(children)
     finally:
-        for pid in children:  # a stopped child ignores SIGTERM: SIGKILL is what PR_SET_PDEATHSIG sends anyway
+        for pid in children:  # a stopped child ignores SIGTERM; SIGKILL is what PR_SET_PDEATHSIG sends anyway
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
 
-def _fork_one(conn: socket.socket, own: list[socket.socket], selector) -> int | None:
+def _fork_one(conn: socket.socket, own: list[socket.socket], parent: int, selector) -> int | None:
     conn.settimeout(10)
     try:
         message, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 64)
@@ -185,6 +224,7 @@ def _fork_one(conn: socket.socket, own: list[socket.socket], selector) -> int | 
             for sig in (signal.SIGCHLD, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_DFL)
             selector.close()
+            os.close(parent)
             for s in own:
                 s.close()
             code = _become_proc(request, fds, conn)

@@ -108,8 +108,7 @@ class Hosts:
             self._local = PidWatch(lambda replica, pid: self._report.put(("died", replica, f"pidfd (pid {pid} exited)")))
             forked = self.config.forkserver
             if forked if forked is not None else accelerator_kind() == "cpu":
-                self._forkserver = ForkServer(preload_for(set(self._imports)))
-                self._forkserver.start()
+                self._forkserver = ForkServer.shared(preload_for(set(self._imports)))
             return
         from monarch.actor import enable_transport
 
@@ -138,8 +137,6 @@ class Hosts:
         self._closing.set()
         if self._local is not None:
             self._local.close()
-        if self._forkserver is not None:
-            self._forkserver.stop()
         stoppers = [threading.Thread(target=_stop, args=(h.watcher_procs,), daemon=True)
                     for h in self.hosts if h.live and h.watcher_procs is not None]
         for t in stoppers:
