@@ -19,7 +19,7 @@ logger = logging.getLogger("monarch_plugin")
 
 LEVELS = {
     **dict.fromkeys(("spawn", "ready", "quorum", "join", "join_retry", "dropped_step", "heal", "first_commit",
-                     "progress", "respawn_scheduled", "finished", "death", "hang"), logging.DEBUG),
+                     "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver"), logging.DEBUG),
     **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "give_up",
                      "host_unreachable", "host_refused"), logging.WARNING),
 }

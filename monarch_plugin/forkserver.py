@@ -107,6 +107,10 @@ class ForkServer:
         self._ready: bool | None = None
         self._lock = threading.Lock()
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
     def start(self) -> None:
         """Start the imports; `bootstrap_command` waits for them."""
         self._proc = subprocess.Popen(
@@ -377,8 +381,10 @@ def _open_fds() -> list[int]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
-        _serve(argv[1], argv[2:])
-        return 0
+        try:
+            _serve(argv[1], argv[2:])
+        finally:
+            os._exit(0)  # its children are dead by now, and finalizing what it imported only takes time
     return client_main(argv[0])
 
 

@@ -91,6 +91,7 @@ class Hosts:
         self._tried: set[str] = set()  # addresses attached, or tried
         self._failures: list[tuple[str, str]] = []  # (address, why) of the hosts that could not be used
         self._forkserver: ForkServer | None = None  # this machine's procs start from it
+        self._forkserver_seen = False  # its event emitted
         self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
         if not config.multi_host:  # planned now, so a shortage of GPUs is a ConfigError before anything starts
@@ -185,9 +186,23 @@ class Hosts:
         if host.mesh is None:
             from monarch.actor import this_host
 
-            command = self._forkserver.bootstrap_command() if self._forkserver is not None else None
-            return this_host().spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=command)
+            return this_host().spawn_procs(per_host={"procs": procs}, name=name,
+                                           bootstrap_command=self._bootstrap_command())
         return host.mesh.spawn_procs(per_host={"procs": procs}, name=name)
+
+    def _bootstrap_command(self):
+        """How this machine's procs start: through the forkserver once it is ready (the first spawn of a run waits
+        for its imports, and says in an event how long), else as Monarch starts them (None)."""
+        if self._forkserver is None:
+            return None
+        t0 = time.time()
+        command = self._forkserver.bootstrap_command()
+        with self._lock:
+            if not self._forkserver_seen:
+                self._forkserver_seen = True
+                self.events.emit("forkserver", pid=self._forkserver.pid, preload=self._forkserver.preload,
+                                 ready=command is not None, waited_s=round(time.time() - t0, 3))
+        return command
 
     # -- deaths ---------------------------------------------------------------------------------------------
 

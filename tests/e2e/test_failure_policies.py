@@ -109,6 +109,11 @@ def test_hung_and_frozen_replicas_are_found_by_what_they_were_doing_and_a_stragg
     _no_orphans(run)
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def _steps(run) -> list[dict]:
     path = run.out / "steps.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -123,7 +128,11 @@ def test_lost_controller_costs_the_steps_since_the_last_checkpoint_and_resume_au
                  script_args=("--samples", str(samples), "--batch", str(batch), "--epochs", str(epochs),
                               "--out", str(killed.out)))
     killed.wait_for(lambda: len(_steps(killed)) >= 17, timeout=120, what="17 committed steps")
+    [server] = killed.events("forkserver")
+    assert server["ready"] and all(_parent(p) == server["pid"] for pids in killed.pids().values() for p in pids)
+    os.kill(killed.pids()[0][0], signal.SIGSTOP)  # a stopped process must go too
     killed.kill_controller()  # its machine is gone, and the replicas with it
+    killed.wait_for(lambda: not alive(server["pid"]), timeout=10, what="the forkserver to end with its controller")
     before = _steps(killed)
     assert [e["step"] for e in killed.events("checkpoint")][:3] == [5, 10, 15]
     assert all(e["periodic"] for e in killed.events("checkpoint"))
