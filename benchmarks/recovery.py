@@ -4,6 +4,8 @@ For each model size, on N replicas of one process each:
   ddp      torchrun + torch DDP (gloo), no failure                     -> steady step time baseline
   elastic  monarch-run + ElasticLoop; replica 1 SIGKILLed by this script -> steady step time, and the
            recovery phases read from the run's own events file (monarch_plugin.report)
+  fresh    the same with --no-forkserver: the replacement starts as a fresh interpreter, as Monarch's own
+           procs do, instead of forked from the warm forkserver
   warm     the same with --spares 1: a hot spare (training code started, waiting) replaces the dead
   restart  torchrun --max-restarts 1 + DDP checkpointing every K steps; same SIGKILL -> time from the
            kill to the next step, and the steps redone
@@ -62,12 +64,13 @@ def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
     return {"step_s": _median_interval(_steps(out / "steps-0-0.txt"))}
 
 
-def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, spares: int = 0) -> dict:
-    out = work / f"elastic-{size}-spares{spares}"
+def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, spares: int = 0,
+                forkserver: bool = True) -> dict:
+    out = work / f"elastic-{size}-spares{spares}{'' if forkserver else '-fresh'}"
     out.mkdir(parents=True)
     events_path = out / "events.jsonl"
     proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", "2",
-                             "--spares", str(spares),
+                             "--spares", str(spares), "--forkserver" if forkserver else "--no-forkserver",
                              "--events", str(events_path), str(WORKLOAD), "--mode", "elastic", "--size", size,
                              "--steps", str(steps), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
@@ -131,6 +134,7 @@ def main() -> None:
         results[size] = {
             "ddp": run_ddp(work, size, args.replicas, cfg["steps"] // 2),
             "elastic": run_elastic(work, size, args.replicas, cfg["steps"], cfg["kill_at"]),
+            "fresh": run_elastic(work, size, args.replicas, cfg["steps"], cfg["kill_at"], forkserver=False),
             "warm": run_elastic(work, size, args.replicas, cfg["steps"], cfg["kill_at"], spares=1),
             "restart": run_restart(work, size, args.replicas, cfg["steps"] // 2, cfg["kill_at"], cfg["every"]),
         }
@@ -155,9 +159,13 @@ def table(results: dict, replicas: int) -> str:
     row("kill -> next step (checkpoint-restart)", lambda r: ms(r["restart"]["kill_to_next_commit"]))
     row("steps redone (elastic / checkpoint-restart)",
         lambda r: f"{len(r['elastic']['dropped_steps'])} / {r['restart']['steps_redone']}")
-    row("spawn (replacement procs up)", lambda r: ms(r["elastic"]["spawn"]))
-    row("cold: spawn began -> healed", lambda r: ms(r["elastic"]["replace_to_healed"]))
-    row("cold: spawn began -> participating", lambda r: ms(r["elastic"]["replace_to_participating"]))
+    for name, key in (("cold", "elastic"), ("cold, fresh interpreter (--no-forkserver)", "fresh")):
+        row(f"{name}: procs up (spawn)", lambda r, key=key: ms(r[key]["spawn"]))
+        row(f"{name}: training code started (procs up -> ready)", lambda r, key=key: ms(r[key]["spawned_to_ready"]))
+        row(f"{name}: ready -> healed", lambda r, key=key: ms(r[key]["ready_to_healed"]))
+        row(f"{name}: healed -> first committed step", lambda r, key=key: ms(r[key]["healed_to_participating"]))
+        row(f"**{name}: spawn began -> first committed step**",
+            lambda r, key=key: ms(r[key]["replace_to_participating"]))
     row("hot spare: death noticed -> healed", lambda r: ms(r["warm"]["replace_to_healed"]))
     row("hot spare: death noticed -> participating", lambda r: ms(r["warm"]["replace_to_participating"]))
     row("hot spare: kill -> next committed step", lambda r: ms(r["warm"]["kill_to_next_commit"]))

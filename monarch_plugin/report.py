@@ -36,6 +36,7 @@ class Recovery:
     hot_spare: bool = False  # the replacement was already running and waiting when the death came
     spawn_started_at: float | None = None
     spawned_at: float | None = None
+    ready_at: float | None = None  # the replacement's training code reached its loop (model built), ready to join
     healed_at: float | None = None
     heal_seconds: float | None = None
     heal_bytes: int | None = None
@@ -65,6 +66,10 @@ class Recovery:
             "replace_to_healed": since(self.replace_started_at, self.healed_at),
             "replace_to_participating": since(self.replace_started_at, self.participating_at),
             "heal": self.heal_seconds,
+            # a cold replacement's phases, one after the other: spawn, then these
+            "spawned_to_ready": None if self.hot_spare else since(self.spawned_at, self.ready_at),
+            "ready_to_healed": None if self.hot_spare else since(self.ready_at, self.healed_at),
+            "healed_to_participating": since(self.healed_at, self.participating_at),
         }
 
 
@@ -103,6 +108,8 @@ def recoveries(events: list[dict]) -> list[Recovery]:
             if spawn:
                 rec.spawned_at, rec.spawn_started_at = spawn["ts"], spawn["ts"] - spawn["seconds"]
                 rec.hot_spare = rec.spawn_started_at < death["ts"]
+            ready = next((e for e in events if e["event"] == "ready" and e["replica"] == new), None)
+            rec.ready_at = ready["ts"] if ready else None
             heal = next((e for e in events if e["event"] == "heal" and new in e["recipients"]), None)
             if heal:
                 rec.healed_at, rec.heal_seconds, rec.heal_bytes = heal["ts"], heal["seconds"], heal["bytes"]

@@ -320,3 +320,29 @@ def test_recovery_report_of_a_writer_death_names_the_replacement_whether_or_not_
     assert format_recovery(rec).splitlines()[-1] == (
         "  replacement replica 2: spawned in 8261 ms, healed from a live peer in 285 ms (39.4 MB), training at step 6 "
         "20473 ms after spawn began")
+
+
+def test_the_forkserver_loads_torch_and_its_optimizer_imports_and_only_frameworks_the_training_code_imports():
+    from monarch_plugin.forkserver import ALWAYS, preload_for
+
+    assert preload_for(set()) == list(ALWAYS) == ["torch", "torch._dynamo"]
+    assert preload_for({"lightning", "torch", "my_model", "os"}) == [*ALWAYS, "lightning"]
+    assert preload_for({"torchtitan", "transformers"}) == [*ALWAYS, "transformers", "torchtitan.train"]
+
+
+def test_a_targets_imports_are_read_from_its_source_not_run(tmp_path):
+    from monarch_plugin.target import Target
+
+    script = tmp_path / "train.py"
+    script.write_text("import os, lightning.pytorch as pl\nfrom transformers import AutoModel\nfrom . import near\n"
+                      "def main():\n    import torchtitan.train\nraise SystemExit('never run')\n")
+    assert Target.script(str(script)).imports == ["lightning", "os", "torchtitan", "transformers"]
+    broken = tmp_path / "broken.py"
+    broken.write_text("def (:\n")
+    assert Target.script(str(broken)).imports == []
+    assert "torch" in Target.function(_module_level_fn).imports  # this file's own imports
+    assert Target.function(print).imports == []  # a builtin has no source
+
+
+def _module_level_fn():
+    import torch  # noqa: F401

@@ -19,7 +19,7 @@ import pytest
 
 from monarch_plugin.agent import main
 from monarch_plugin.events import read_events
-from monarch_plugin.report import format_summary, goodput
+from monarch_plugin.report import format_summary, goodput, recoveries
 from monarch_plugin.timeline import write_html, write_png
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,6 +56,18 @@ def test_the_failure_row_is_the_events_time_to_shrink_regrow_and_dropped_step():
     assert f"run: {_of(events, 'run_end')[0]['ts'] - start:.1f} s" in totals
     assert "1 death(s)" in totals and "4 replica(s) spawned (3 at the start)" in totals
     assert "1 step(s) dropped: step 8 in generation 0" in "\n".join(lines)
+
+
+def test_a_cold_replacements_phases_are_its_events_one_after_the_other():
+    events = read_events(str(PLAIN))
+    [rec] = recoveries(events)
+    [new] = [e for e in _of(events, "spawn") if not e["initial"]]
+    [ready] = [e for e in _of(events, "ready") if e["replica"] == new["replica"]]
+    p = rec.phases()
+    assert p["spawn"] == pytest.approx(new["seconds"]) and p["spawned_to_ready"] == pytest.approx(
+        ready["ts"] - new["ts"])
+    steps = p["spawn"] + p["spawned_to_ready"] + p["ready_to_healed"] + p["healed_to_participating"]
+    assert steps == pytest.approx(p["replace_to_participating"])
 
 
 def test_goodput_falls_back_to_the_longest_stretch_at_the_starting_size_and_says_which():
