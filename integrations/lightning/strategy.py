@@ -68,6 +68,7 @@ class MonarchStrategy(ParallelStrategy):
         checkpoint_dir: str = ElasticConfig.checkpoint_dir,
         max_restarts: int = ElasticConfig.max_restarts,
         spares: int = ElasticConfig.spares,
+        forkserver: Optional[bool] = ElasticConfig.forkserver,
         hosts: Optional[list[str]] = None,
         hosts_file: Optional[str] = None,
         host_timeout_s: float = ElasticConfig.host_timeout_s,
@@ -86,6 +87,7 @@ class MonarchStrategy(ParallelStrategy):
         self.checkpoint_dir = checkpoint_dir
         self.max_restarts = max_restarts
         self.spares = spares
+        self.forkserver = forkserver
         self.hosts = list(hosts or [])
         self.hosts_file = hosts_file
         self.host_timeout_s = host_timeout_s

@@ -58,6 +58,12 @@ class MonarchConfig:
     the shrunken group at once rather than by starting a process.
     """
 
+    forkserver: bool | None = None
+    """
+    Fork the replicas' processes from a server that imported torch and torchtitan once (10 s of CPU each here)
+    instead of starting fresh interpreters. None: on for CPU runs, off on GPU builds (`docs/runtime.md`).
+    """
+
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Backend of the cross-replica gradient reduction: auto picks nccl (RCCL on ROCm) on GPUs, gloo on CPU."""
 
@@ -125,7 +131,8 @@ def elastic_config(config: "MonarchTrainer.Config") -> ElasticConfig:
     monarch = config.monarch
     return ElasticConfig(
         replicas=monarch.replicas, min_replicas=monarch.min_replicas, max_replicas=monarch.max_replicas,
-        procs_per_replica=monarch.procs_per_replica, spares=monarch.spares, cross_backend=monarch.backend,
+        procs_per_replica=monarch.procs_per_replica, spares=monarch.spares, forkserver=monarch.forkserver,
+        cross_backend=monarch.backend,
         max_restarts=monarch.max_restarts, join_timeout_s=monarch.join_timeout_s,
         collective_timeout_s=monarch.collective_timeout_s, fault=monarch.fault,
         events_path=monarch.events_path or os.path.join(config.dump_folder, "monarch_events.jsonl"),
