@@ -187,6 +187,41 @@ def test_failure_free_run_matches_torchrun_ddp_and_a_give_up_checkpoint_resumes_
     _assert_close(resumed.weights("0"), elastic.weights("0"), rtol=0, atol=0)
 
 
+@pytest.mark.timeout(300)
+def test_lost_controller_costs_the_steps_since_save_steps_and_train_resumes_exactly_on_fewer_replicas(hf_run):
+    """monarch-run, HF's controller here, is SIGKILLed mid-epoch: its replicas end with it. `train(
+    resume_from_checkpoint=...)` from the newest checkpoint on 2 replicas instead of 3, with
+    per_device_train_batch_size raised so that the global batch stays 12, ends equal to a run that never stopped."""
+    common = ("--optimizer", "hf", "--samples", "96", "--epochs", "4", "--save-steps", "5")  # 8 steps an epoch
+    steps = 4 * 96 // 12
+    killed = hf_run().start("--replicas", "3", script_args=(*common, "--replicas", "3", "--batch", "4",
+                                                            "--step-sleep", "0.2"))
+    whole = hf_run().start("--replicas", "3", script_args=(*common, "--replicas", "3", "--batch", "4"))
+    killed.wait_for(lambda: killed.progress(0) >= 17, timeout=150, what="17 committed steps")
+    killed.kill_controller()
+    # HF writes trainer_state.json last: a checkpoint without it was cut short by the kill and is not resumed from.
+    complete = sorted(int(p.name.split("-")[1]) for p in (killed.out / "hf").glob("checkpoint-*")
+                      if (p / "trainer_state.json").exists())
+    assert complete[:3] == [5, 10, 15], complete
+    newest = killed.out / "hf" / f"checkpoint-{complete[-1]}"
+
+    resumed = hf_run().start("--replicas", "2", script_args=(*common, "--replicas", "2", "--batch", "6",
+                                                             "--resume", str(newest)))
+    assert whole.wait(timeout=180) == 0, whole.output
+    assert resumed.wait(timeout=180) == 0, resumed.output
+    results = resumed.results()
+    assert set(results) == {"0", "1"} and {r["global_step"] for r in results.values()} == {steps}
+    assert results["0"]["checksum"] == results["1"]["checksum"]
+    _assert_close(resumed.weights("0"), whole.weights("0"), rtol=1e-4, atol=1e-5)
+    # HF's log history: the checkpoint's lines (3 replicas), then the resumed run's own (2), one per step.
+    history = {h["step"]: h["elastic/replicas"] for h in results["0"]["log_history"] if "loss" in h}
+    assert sorted(history) == list(range(1, steps + 1))
+    assert {history[s] for s in history if s <= complete[-1]} == {3.0}
+    assert {history[s] for s in history if s > complete[-1]} == {2.0}
+    for replica_pids in (*killed.pids().values(), *resumed.pids().values()):
+        assert not any(alive(pid) for pid in replica_pids)
+
+
 @pytest.mark.timeout(120)
 def test_plain_python_says_once_it_is_inactive_and_trains_as_usual(hf_run):
     common = ("--batch", "4", "--accumulate", "2", "--samples", "96", "--epochs", "2")
