@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2
+    from monarch_plugin import forkserver
+
+    forkserver.for_run(config, target.imports)  # its imports run beside the controller's, which follow
     from monarch_plugin.controller import ElasticController
 
     try:

@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 
-__all__ = ["ALWAYS", "ForkServer", "PRELOADABLE", "client_main", "preload_for"]
+__all__ = ["ALWAYS", "ForkServer", "PRELOADABLE", "client_main", "for_run", "preload_for"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ READY_TIMEOUT_S = 120.0
 """Bound on the server's imports; past it (or if it dies) replicas are started the usual way."""
 
 _BOOTSTRAP = "monarch._src.actor.bootstrap_main"
+_GPU_BUILD = 3  # the server's exit status when it finds a GPU build of torch and was started `--cpu-only`
 _PR_SET_PDEATHSIG = 1
 _MAX_MESSAGE = 1 << 20
 
@@ -68,6 +69,15 @@ def preload_for(imports: set[str]) -> list[str]:
     """What the server imports: `ALWAYS`, and each `PRELOADABLE` framework whose top-level package is among
     `imports` (those of the training code's source file, `Target.imports`)."""
     return [*ALWAYS, *(m for m in PRELOADABLE if m.split(".")[0] in imports)]
+
+
+def for_run(config, imports: list[str]) -> "ForkServer | None":
+    """The shared server a run on this machine starts its procs from (started now if needed), or None: off in
+    `config`, or a multi-host run. Called as early as a run's settings are known, so that its imports run beside
+    the controller's own."""
+    if config.forkserver is False or config.multi_host:
+        return None
+    return ForkServer.shared(preload_for(set(imports)), cpu_only=config.forkserver is None)
 
 
 def _die_with_parent(sig: int) -> None:
@@ -88,19 +98,25 @@ class ForkServer:
     """
 
     @classmethod
-    def shared(cls, preload: list[str]) -> "ForkServer":
-        """This process's running server for `preload`, started now if there is none (or it has died)."""
+    def shared(cls, preload: list[str], cpu_only: bool) -> "ForkServer":
+        """This process's server for `preload`, started now if there is none (or it died, other than by finding a
+        GPU build it was not to serve on)."""
+        key = (*preload, cpu_only)
         with _SHARED_LOCK:
-            server = _SHARED.get(tuple(preload))
-            if server is None or server._proc.poll() is not None:
+            server = _SHARED.get(key)
+            if server is None or server._proc.poll() not in (None, _GPU_BUILD):
                 if not _SHARED:
                     atexit.register(_stop_shared)
-                server = _SHARED[tuple(preload)] = cls(preload)
+                server = _SHARED[key] = cls(preload, cpu_only)
                 server.start()
             return server
 
-    def __init__(self, preload: list[str]):
+    def __init__(self, preload: list[str], cpu_only: bool = False):
         self.preload = preload
+        self.cpu_only = cpu_only
+        """Exit on a CUDA or ROCm build of torch (the default, `forkserver=None`), found once torch is imported."""
+        self.unused: str | None = None
+        """Why procs start the usual way instead, once that is known."""
         self._dir = tempfile.mkdtemp(prefix="monarch-plugin-forkserver-")  # 0700: only this user connects
         self.socket_path = os.path.join(self._dir, "socket")
         self._proc: subprocess.Popen | None = None
@@ -114,8 +130,8 @@ class ForkServer:
     def start(self) -> None:
         """Start the imports; `bootstrap_command` waits for them."""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "monarch_plugin.forkserver", "--serve", self.socket_path, *self.preload],
-            stdin=subprocess.DEVNULL)
+            [sys.executable, "-m", "monarch_plugin.forkserver", "--serve", self.socket_path,
+             *(["--cpu-only"] if self.cpu_only else []), *self.preload], stdin=subprocess.DEVNULL)
 
     def bootstrap_command(self):
         """The `BootstrapCommand` that starts a proc through this server, or None (the usual way) if the server
@@ -136,10 +152,13 @@ class ForkServer:
                         and time.monotonic() < deadline:
                     time.sleep(0.02)
                 self._ready = os.path.exists(self.socket_path) and self._proc.poll() is None
-                if not self._ready:
-                    log.warning("the forkserver %s (importing %s): replicas start as fresh processes instead",
-                                f"exited with {self._proc.returncode}" if self._proc.poll() is not None
-                                else f"was not ready in {READY_TIMEOUT_S:.0f} s", ", ".join(self.preload))
+                if self._proc.poll() == _GPU_BUILD:
+                    self.unused = "a GPU build of torch (`forkserver` None: only CPU runs fork by default)"
+                elif not self._ready:
+                    self.unused = (f"the forkserver exited with {self._proc.returncode}" if self._proc.poll()
+                                   is not None else f"the forkserver was not ready in {READY_TIMEOUT_S:.0f} s")
+                    log.warning("%s (importing %s): replicas start as fresh processes instead", self.unused,
+                                ", ".join(self.preload))
             return self._ready
 
     def stop(self) -> None:
@@ -167,7 +186,7 @@ def _stop_shared() -> None:
 
 # -- the server ---------------------------------------------------------------------------------------------
 
-def _serve(path: str, preload: list[str]) -> None:
+def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
     # The process that started it, watched as a process: PR_SET_PDEATHSIG would fire when the *thread* that
     # started it ends, and a controller runs in whichever thread called it.
     try:
@@ -178,6 +197,8 @@ def _serve(path: str, preload: list[str]) -> None:
         __import__(module)
         if select.select([parent], [], [], 0)[0]:  # it died meanwhile
             return
+        if module == "torch" and cpu_only and (sys.modules["torch"].version.cuda or sys.modules["torch"].version.hip):
+            os._exit(_GPU_BUILD)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # a message each: no framing to get wrong
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -381,8 +402,9 @@ def _open_fds() -> list[int]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
+        cpu_only = argv[2:3] == ["--cpu-only"]
         try:
-            _serve(argv[1], argv[2:])
+            _serve(argv[1], argv[3:] if cpu_only else argv[2:], cpu_only)
         finally:
             os._exit(0)  # its children are dead by now, and finalizing what it imported only takes time
     return client_main(argv[0])

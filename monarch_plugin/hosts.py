@@ -32,7 +32,7 @@ from monarch_plugin.config import ElasticConfig, parse_host
 from monarch_plugin.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog
-from monarch_plugin.forkserver import ForkServer, preload_for
+from monarch_plugin import forkserver
 from monarch_plugin.pidwatch import PidWatch
 from monarch_plugin.protocol import Key, watcher_names
 from monarch_plugin.worker.lease import lease_s
@@ -90,7 +90,7 @@ class Hosts:
         self._where: dict[int, int] = {}  # replica -> host index
         self._tried: set[str] = set()  # addresses attached, or tried
         self._failures: list[tuple[str, str]] = []  # (address, why) of the hosts that could not be used
-        self._forkserver: ForkServer | None = None  # this machine's procs start from it
+        self._forkserver: forkserver.ForkServer | None = None  # this machine's procs start from it
         self._forkserver_seen = False  # its event emitted
         self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
@@ -107,9 +107,7 @@ class Hosts:
         self._store = store
         if not self.config.multi_host:
             self._local = PidWatch(lambda replica, pid: self._report.put(("died", replica, f"pidfd (pid {pid} exited)")))
-            forked = self.config.forkserver
-            if forked if forked is not None else accelerator_kind() == "cpu":
-                self._forkserver = ForkServer.shared(preload_for(set(self._imports)))
+            self._forkserver = forkserver.for_run(self.config, self._imports)
             return
         from monarch.actor import enable_transport
 
@@ -201,7 +199,8 @@ class Hosts:
             if not self._forkserver_seen:
                 self._forkserver_seen = True
                 self.events.emit("forkserver", pid=self._forkserver.pid, preload=self._forkserver.preload,
-                                 ready=command is not None, waited_s=round(time.time() - t0, 3))
+                                 ready=command is not None, waited_s=round(time.time() - t0, 3),
+                                 **({} if command is not None else {"unused": self._forkserver.unused}))
         return command
 
     # -- deaths ---------------------------------------------------------------------------------------------
