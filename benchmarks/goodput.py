@@ -1,0 +1,204 @@
+"""Goodput under a failure schedule: how long the same training takes when a worker is SIGKILLed every N seconds.
+
+    python benchmarks/goodput.py --steps 450 --every 60 15 --seed 0 --out benchmarks/results
+
+Every variant trains the 10M MLP of `workload.py` to the same step count on 4 workers with the same global batch,
+one after another in this invocation (so every ratio compares runs on one machine state):
+
+  ddp            torchrun DDP, no failure: the baseline, goodput 1
+  elastic-free   monarch-run + ElasticLoop, no failure
+  elastic        monarch-run, a cold replacement for each death (forked from the forkserver)
+  elastic-spare  the same with --spares 1
+  restart-N      torchrun --max-restarts + DDP writing a checkpoint every N steps; a death restarts every worker
+                 from the newest checkpoint
+
+In the failure variants this script SIGKILLs one worker by pid every `--every` seconds from the first step on
+(times and victims drawn from `--seed`), until the run ends; a kill that finds no victim (a torchrun restart in
+progress, or an elastic run at `--min-replicas`) waits until there is one, as a failure on a cluster would.
+Goodput is the baseline's wall time from its first step to its last over the variant's: committed samples per
+second as a fraction of failure-free DDP's. Steps lost per failure: the steps a restart redid (a dropped step for
+the elastic runs). Writes <out>/goodput.json and <out>/goodput-<every>s.png (steps over time, kills marked), and
+prints a markdown table (pasted into docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kill_storm import _members
+
+from monarch_plugin.events import EventLog, read_events
+
+HERE = Path(__file__).resolve().parent
+WORKLOAD = HERE / "workload.py"
+BIN = Path(sys.executable).parent
+REPLICAS, MIN_REPLICAS = 4, 2
+
+
+def _lines(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """Each step log's (step, time) lines, by file name."""
+    found = {}
+    for path in out.glob("steps-*.txt"):
+        found[path.stem] = [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines()
+                                                            if line)]
+    return found
+
+
+def _command(variant: str, out: Path, steps: int) -> list[str]:
+    if variant.startswith("elastic"):
+        spares = "1" if variant == "elastic-spare" else "0"
+        return [str(BIN / "monarch-run"), "--replicas", str(REPLICAS), "--min-replicas", str(MIN_REPLICAS),
+                "--spares", spares, "--max-restarts", "1000", "--crash-loop-limit", "1000",
+                "--events", str(out / "events.jsonl"), str(WORKLOAD), "--mode", "elastic", "--steps", str(steps),
+                "--out", str(out)]
+    every = variant.removeprefix("restart-") if variant.startswith("restart-") else "0"
+    return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(REPLICAS), "--max-restarts", "1000",
+            str(WORKLOAD), "--mode", "ddp", "--steps", str(steps), "--ckpt-every", every, "--out", str(out)]
+
+
+def _victims(variant: str, out: Path) -> list[int]:
+    """The pids a kill may hit now: members of the newest elastic generation above `min_replicas`, or the workers
+    of torchrun's newest round once it trains."""
+    if variant.startswith("elastic"):
+        events = read_events(str(out / "events.jsonl")) if (out / "events.jsonl").exists() else []
+        spawned = {e["replica"]: e["pids"][0] for e in events if e["event"] == "spawn"}
+        members = [spawned[m] for m in _members(events) if m in spawned]
+        return members if len(members) > MIN_REPLICAS else []
+    rounds = [int(p.name.split("-")[2]) for p in out.glob("pid-*-*")]
+    if not rounds:
+        return []
+    newest = max(rounds)
+    if not any(name.endswith(f"-{newest}") and lines for name, lines in _lines(out).items()):
+        return []  # that round has not trained a step yet: it is still restarting
+    return [int(p.read_text()) for p in out.glob(f"pid-*-{newest}")]
+
+
+def run(work: Path, variant: str, steps: int, every: float | None, seed: int) -> dict:
+    out = work / f"{variant}-every{every or 0:.0f}"
+    out.mkdir(parents=True)
+    log = open(out / "run.log", "w")
+    proc = subprocess.Popen(_command(variant, out, steps), stdout=log, stderr=subprocess.STDOUT, cwd=out)
+    rng = random.Random(seed)
+    kills: list[dict] = []
+    try:
+        while not any(_lines(out).values()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{variant} ended before its first step; see {out / 'run.log'}")
+            time.sleep(0.05)
+        first = time.time()
+        due = first + every * rng.uniform(0.5, 1.5) if every else None
+        while proc.poll() is None:
+            time.sleep(0.05)
+            if due is None or time.time() < due:
+                continue
+            victims = _victims(variant, out)
+            if not victims:
+                continue  # still due: it fires once there is someone to hit
+            pid = rng.choice(victims)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kills.append({"ts": time.time(), "pid": pid})
+            if variant.startswith("elastic"):
+                EventLog(str(out / "events.jsonl"), source="benchmark").emit("kill", pid=pid)
+            due += every * rng.uniform(0.5, 1.5)
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    if rc != 0:
+        raise RuntimeError(f"{variant} failed (rc {rc}); see {out / 'run.log'}")
+    lines = _lines(out)
+    start = min(t for series in lines.values() for _, t in series)  # the first step, by whoever logged it first
+    end = max(t for series in lines.values() for s, t in series if s == steps - 1)
+    result = {"variant": variant, "every_s": every, "seconds": end - start, "kills": len(kills),
+              "kill_times": [k["ts"] - start for k in kills]}
+    if variant.startswith("elastic"):
+        events = read_events(str(out / "events.jsonl"))
+        result["steps_lost"] = len({(e["gen"], e["step"]) for e in events if e["event"] == "dropped_step"})
+        result["deaths"] = len([e for e in events if e["event"] == "death"])
+        committed: dict[int, float] = {}  # each step's first commit, by any replica
+        for series in lines.values():
+            for s, t in series:
+                committed[s] = min(t, committed.get(s, t))
+        progress = sorted(committed.items())
+    else:
+        rounds = sorted((int(name.split("-")[2]), series) for name, series in lines.items()
+                        if name.split("-")[1] == "0")  # rank 0 of each round: steps-<rank>-<round>
+        result["steps_lost"] = sum(prev[-1][0] + 1 - nxt[0][0] for (_, prev), (_, nxt) in zip(rounds, rounds[1:])
+                                   if prev and nxt)
+        result["restarts"] = len(rounds) - 1
+        progress = [(s, t) for _, series in rounds for s, t in series]
+    result["series"] = [(round(t - start, 3), s) for s, t in progress]
+    print(json.dumps({k: v for k, v in result.items() if k not in ("series", "kill_times")}), flush=True)
+    return result
+
+
+def plot(results: list[dict], every: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for r in results:
+        if r["every_s"] in (every, None):
+            t, s = zip(*r["series"])
+            (line,) = ax.plot(t, s, label=f"{r['variant']} ({r['goodput']:.2f})", lw=1.2)
+            for k in r["kill_times"]:
+                ax.axvline(k, color=line.get_color(), alpha=0.25, lw=0.8)
+    ax.set_xlabel("seconds since the first step")
+    ax.set_ylabel("step being trained")
+    ax.set_title(f"a SIGKILL every ~{every:.0f} s (thin lines), 4 workers, 10M MLP; goodput in brackets")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=450)
+    p.add_argument("--every", type=float, nargs="+", default=[60.0, 15.0], help="seconds between kills")
+    p.add_argument("--checkpoint-every", type=int, nargs="+", default=[10, 50], help="torchrun's, in steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(HERE / "results"))
+    p.add_argument("--work", default="/tmp/monarch_plugin_goodput")
+    args = p.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    results = [run(work, "ddp", args.steps, None, args.seed), run(work, "elastic-free", args.steps, None, args.seed)]
+    for every in args.every:
+        for variant in ("elastic", "elastic-spare", *(f"restart-{n}" for n in args.checkpoint_every)):
+            results.append(run(work, variant, args.steps, every, args.seed))
+    baseline = results[0]["seconds"]
+    for r in results:
+        r["goodput"] = baseline / r["seconds"]
+        r["samples_per_s"] = args.steps * 32 / r["seconds"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "goodput.json").write_text(json.dumps(results, indent=1))
+    for every in args.every:
+        plot(results, every, out / f"goodput-{every:.0f}s.png")
+    print("\n| variant | kill every | kills | time to step "
+          f"{args.steps} | samples/s | goodput | steps lost per kill |\n|---|---|---|---|---|---|---|")
+    for r in results:
+        per_kill = f"{r['steps_lost'] / r['kills']:.1f}" if r["kills"] else "-"
+        every = "-" if r["every_s"] is None else f"{r['every_s']:.0f} s"
+        print(f"| {r['variant']} | {every} | {r['kills']} | {r['seconds']:.1f} s | {r['samples_per_s']:.0f} | "
+              f"{r['goodput']:.3f} | {per_kill} |")
+
+
+if __name__ == "__main__":
+    main()
