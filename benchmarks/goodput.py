@@ -15,8 +15,9 @@ one after another in this invocation (so every ratio compares runs on one machin
 In the failure variants this script SIGKILLs one worker by pid every `--every` seconds from the first step on
 (times and victims drawn from `--seed`), until the run ends; a kill that finds no victim (a torchrun restart in
 progress, or an elastic run at `--min-replicas`) waits until there is one, as a failure on a cluster would.
-Goodput is the baseline's wall time from its first step to its last over the variant's: committed samples per
-second as a fraction of failure-free DDP's. Steps lost per failure: the steps a restart redid (a dropped step for
+Goodput is committed samples per second, from the first step to the last (or to the stop of a variant that has
+not finished after `--cap` times the baseline's time, counting the steps it had reached), as a fraction of
+failure-free DDP's. Steps lost per failure: the steps a restart redid (a dropped step for
 the elastic runs). Writes <out>/goodput.json and <out>/goodput-<every>s.png (steps over time, kills marked), and
 prints a markdown table (pasted into docs/benchmarks.md).
 """
@@ -82,13 +83,16 @@ def _victims(variant: str, out: Path) -> list[int]:
     return [int(p.read_text()) for p in out.glob(f"pid-*-{newest}")]
 
 
-def run(work: Path, variant: str, steps: int, every: float | None, seed: int) -> dict:
+def run(work: Path, variant: str, steps: int, every: float | None, seed: int, cap_s: float) -> dict:
+    """One variant to `steps` steps, or for `cap_s` seconds from its first step if it gets no further by then
+    (a restart that never reaches its next checkpoint before the next kill makes no progress at all)."""
     out = work / f"{variant}-every{every or 0:.0f}"
     out.mkdir(parents=True)
     log = open(out / "run.log", "w")
     proc = subprocess.Popen(_command(variant, out, steps), stdout=log, stderr=subprocess.STDOUT, cwd=out)
     rng = random.Random(seed)
     kills: list[dict] = []
+    capped = False
     try:
         while not any(_lines(out).values()):
             if proc.poll() is not None:
@@ -98,6 +102,9 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int) ->
         due = first + every * rng.uniform(0.5, 1.5) if every else None
         while proc.poll() is None:
             time.sleep(0.05)
+            if time.time() - first > cap_s:
+                capped = True
+                break
             if due is None or time.time() < due:
                 continue
             victims = _victims(variant, out)
@@ -112,18 +119,25 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int) ->
             if variant.startswith("elastic"):
                 EventLog(str(out / "events.jsonl"), source="benchmark").emit("kill", pid=pid)
             due += every * rng.uniform(0.5, 1.5)
-        rc = proc.wait()
+        if capped:
+            proc.terminate()  # monarch-run and torchrun each stop their workers on SIGTERM
+        rc = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()
-    if rc != 0:
+        for pid in _all_pids(out):  # nothing this benchmark started may outlive it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if rc != 0 and not capped:
         raise RuntimeError(f"{variant} failed (rc {rc}); see {out / 'run.log'}")
     lines = _lines(out)
     start = min(t for series in lines.values() for _, t in series)  # the first step, by whoever logged it first
-    end = max(t for series in lines.values() for s, t in series if s == steps - 1)
-    result = {"variant": variant, "every_s": every, "seconds": end - start, "kills": len(kills),
+    end = first + cap_s if capped else max(t for series in lines.values() for s, t in series if s == steps - 1)
+    result = {"variant": variant, "every_s": every, "seconds": end - start, "kills": len(kills), "capped": capped,
               "kill_times": [k["ts"] - start for k in kills]}
     if variant.startswith("elastic"):
         events = read_events(str(out / "events.jsonl"))
@@ -139,11 +153,29 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int) ->
                         if name.split("-")[1] == "0")  # rank 0 of each round: steps-<rank>-<round>
         result["steps_lost"] = sum(prev[-1][0] + 1 - nxt[0][0] for (_, prev), (_, nxt) in zip(rounds, rounds[1:])
                                    if prev and nxt)
-        result["restarts"] = len(rounds) - 1
+        result["restarts"] = max((int(p.name.split("-")[2]) for p in out.glob("pid-*-*")), default=0)
         progress = [(s, t) for _, series in rounds for s, t in series]
     result["series"] = [(round(t - start, 3), s) for s, t in progress]
+    result["steps_done"] = progress[-1][0] + 1 if capped else steps  # where it stood when stopped
     print(json.dumps({k: v for k, v in result.items() if k not in ("series", "kill_times")}), flush=True)
     return result
+
+
+def _all_pids(out: Path) -> list[int]:
+    """The workers this run reported that still run this benchmark's code (a pid of a dead one may be reused)."""
+    events = read_events(str(out / "events.jsonl")) if (out / "events.jsonl").exists() else []
+    pids = [p for e in events if e["event"] == "spawn" for p in e["pids"]]
+    pids += [int(p.read_text()) for p in out.glob("pid-*-*") if p.read_text().strip()]
+    ours = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"workload.py" in cmdline or b"monarch_plugin.forkserver" in cmdline:
+            ours.append(pid)
+    return ours
 
 
 def plot(results: list[dict], every: float, path: Path) -> None:
@@ -173,30 +205,34 @@ def main() -> None:
     p.add_argument("--every", type=float, nargs="+", default=[60.0, 15.0], help="seconds between kills")
     p.add_argument("--checkpoint-every", type=int, nargs="+", default=[10, 50], help="torchrun's, in steps")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cap", type=float, default=3.0, help="stop a variant after this many times the baseline's time")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--work", default="/tmp/monarch_plugin_goodput")
     args = p.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
-    results = [run(work, "ddp", args.steps, None, args.seed), run(work, "elastic-free", args.steps, None, args.seed)]
+    baseline = run(work, "ddp", args.steps, None, args.seed, cap_s=3600)
+    cap = args.cap * baseline["seconds"]
+    results = [baseline, run(work, "elastic-free", args.steps, None, args.seed, cap)]
     for every in args.every:
         for variant in ("elastic", "elastic-spare", *(f"restart-{n}" for n in args.checkpoint_every)):
-            results.append(run(work, variant, args.steps, every, args.seed))
-    baseline = results[0]["seconds"]
+            results.append(run(work, variant, args.steps, every, args.seed, cap))
+    rate = args.steps / baseline["seconds"]
     for r in results:
-        r["goodput"] = baseline / r["seconds"]
-        r["samples_per_s"] = args.steps * 32 / r["seconds"]
+        r["goodput"] = r["steps_done"] / r["seconds"] / rate
+        r["samples_per_s"] = r["steps_done"] * 32 / r["seconds"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "goodput.json").write_text(json.dumps(results, indent=1))
     for every in args.every:
         plot(results, every, out / f"goodput-{every:.0f}s.png")
-    print("\n| variant | kill every | kills | time to step "
-          f"{args.steps} | samples/s | goodput | steps lost per kill |\n|---|---|---|---|---|---|---|")
+    print(f"\n| variant | kill every | kills | steps done (of {args.steps}) in | samples/s | goodput | "
+          "steps lost per kill |\n|---|---|---|---|---|---|---|")
     for r in results:
         per_kill = f"{r['steps_lost'] / r['kills']:.1f}" if r["kills"] else "-"
         every = "-" if r["every_s"] is None else f"{r['every_s']:.0f} s"
-        print(f"| {r['variant']} | {every} | {r['kills']} | {r['seconds']:.1f} s | {r['samples_per_s']:.0f} | "
+        done = f"{r['steps_done']} in {r['seconds']:.1f} s{' (stopped)' if r['capped'] else ''}"
+        print(f"| {r['variant']} | {every} | {r['kills']} | {done} | {r['samples_per_s']:.0f} | "
               f"{r['goodput']:.3f} | {per_kill} |")
 
 
