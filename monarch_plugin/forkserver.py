@@ -135,8 +135,16 @@ class ForkServer:
 
     def bootstrap_command(self):
         """The `BootstrapCommand` that starts a proc through this server, or None (the usual way) if the server
-        did not get ready within `READY_TIMEOUT_S`; said once, in the log."""
+        did not get ready within `READY_TIMEOUT_S`, or has exited since: said once, in the log. A client of a dead
+        server could not start its proc, and every replacement would die at spawn."""
         if not self._wait_ready():
+            return None
+        if self._proc.poll() is not None:
+            with self._lock:
+                if self._ready:
+                    self._ready = False
+                    self.unused = f"the forkserver exited with {self._proc.returncode} during the run"
+                    log.warning("%s: replicas start as fresh processes from now on", self.unused)
             return None
         from monarch.actor import default_bootstrap_cmd
 
