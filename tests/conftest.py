@@ -141,12 +141,17 @@ class ElasticRun:
             return ""
 
     def kill_controller(self, within: float = 30.0) -> None:
-        """SIGKILL the controller (its machine is gone) and wait for every replica to end with it."""
+        """SIGKILL the controller (its machine is gone) and wait for every replica, and the forkserver they were
+        forked from, to end with it."""
         os.kill(self.proc.pid, signal.SIGKILL)
         self.wait(timeout=30)
         deadline = time.monotonic() + within
+        servers = [e["pid"] for e in self.events("forkserver")]
         while any(alive(p) for pids in self.pids().values() for p in pids):
             assert time.monotonic() < deadline, f"replicas outlived their controller: {self.pids()}"
+            time.sleep(0.1)
+        while any(alive(p) for p in servers):
+            assert time.monotonic() < deadline, f"the forkserver {servers} outlived its controller"
             time.sleep(0.1)
 
     def cleanup(self) -> None:
