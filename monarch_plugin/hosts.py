@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
+from monarch_plugin import forkserver
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
 from monarch_plugin.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog
-from monarch_plugin import forkserver
 from monarch_plugin.pidwatch import PidWatch
 from monarch_plugin.protocol import Key, watcher_names
 from monarch_plugin.worker.lease import lease_s

@@ -63,13 +63,22 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: state, parent pid, ..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def alive(pid: int) -> bool:
     """True if pid runs and is not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat(pid)[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def parent(pid: int) -> int:
+    return int(_stat(pid)[1])
 
 
 class ElasticRun:

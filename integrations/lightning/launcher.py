@@ -46,8 +46,8 @@ ARGUMENTS = {
     "min_replicas": "min_replicas", "max_replicas": "max_replicas", "backend": "cross_backend",
     "join_timeout_s": "join_timeout_s", "collective_timeout_s": "collective_timeout_s", "fault": "fault",
     "events_path": "events_path", "checkpoint_dir": "checkpoint_dir", "max_restarts": "max_restarts",
-    "spares": "spares", "forkserver": "forkserver", "hosts": "hosts", "hosts_file": "hosts_file", "host_timeout_s": "host_timeout_s",
-    "store_host": "store_host",
+    "spares": "spares", "forkserver": "forkserver", "hosts": "hosts", "hosts_file": "hosts_file",
+    "host_timeout_s": "host_timeout_s", "store_host": "store_host",
 }
 """The Lightning strategies' keyword arguments, each the `ElasticConfig` field it sets: the same name, but for
 `backend`, which is both the replica's own backend and the cross-replica one. `replicas` and `procs_per_replica`

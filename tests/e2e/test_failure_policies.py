@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import WORKLOADS, alive
+from conftest import WORKLOADS, alive, parent
 
 pytestmark = pytest.mark.timeout(240)
 SLOW = ("--step-sleep", "0.05")
@@ -109,11 +109,6 @@ def test_hung_and_frozen_replicas_are_found_by_what_they_were_doing_and_a_stragg
     _no_orphans(run)
 
 
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 def _steps(run) -> list[dict]:
     path = run.out / "steps.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -129,7 +124,7 @@ def test_lost_controller_costs_the_steps_since_the_last_checkpoint_and_resume_au
                               "--out", str(killed.out)))
     killed.wait_for(lambda: len(_steps(killed)) >= 17, timeout=120, what="17 committed steps")
     [server] = killed.events("forkserver")
-    assert server["ready"] and all(_parent(p) == server["pid"] for pids in killed.pids().values() for p in pids)
+    assert server["ready"] and all(parent(p) == server["pid"] for pids in killed.pids().values() for p in pids)
     os.kill(killed.pids()[0][0], signal.SIGSTOP)  # a stopped process must go too
     killed.kill_controller()  # its machine is gone, and the replicas and their forkserver with it
     before = _steps(killed)
