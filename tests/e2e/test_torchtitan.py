@@ -188,6 +188,46 @@ def test_too_few_replicas_stop_with_a_torchtitan_checkpoint_that_resumes_exactly
         assert not any(alive(pid) for pid in replica_pids)
 
 
+@pytest.mark.timeout(360)
+def test_lost_controller_costs_the_steps_since_the_checkpoint_interval_and_resumes_exactly_on_one_replica(titan_run):
+    """`python -m torchtitan.train`, the controller, is SIGKILLed between two checkpoints: its procs end with it.
+    `--checkpoint.enable` on the relaunch loads the newest complete checkpoint, here on one replica instead of two,
+    and retrains the lost steps on the same batches to the same losses. torchtitan's global batch is by default
+    one micro-batch of every replica, so the relaunch names it (`--training.global_batch_size 8`: two
+    micro-batches of accumulation on one replica)."""
+    checkpointing = ("--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.no-last-save-model-only",
+                     "--debug.deterministic")
+    killed = titan_run().start(*checkpointing, "--probe.step_sleep", "0.4")
+    killed.wait_for(lambda: killed.progress(0) >= 7, timeout=300, what="replica 0 to commit step 7")
+    killed.kill_controller()
+    # DCP writes a checkpoint's .metadata last; torchtitan loads only a step-N folder that has it.
+    folder = killed.out / "checkpoint"
+    complete = sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*") if (p / ".metadata").exists())
+    assert complete[:2] == [3, 6], complete
+    newest = complete[-1]
+    committed = {r["step"]: r for r in killed.steps()[0, 0]}
+    lost = sorted(s for s in committed if s > newest)
+    assert lost and max(committed) < STEPS, (complete, sorted(committed))
+
+    resumed = titan_run().start(*checkpointing, "--monarch.replicas", "1", "--training.global_batch_size",
+                                str(GLOBAL_BATCH), "--checkpoint.folder", str(folder))
+    assert resumed.wait(timeout=200) == 0, resumed.output
+    final = _final_records(resumed.steps())
+    assert sorted(final) == list(range(newest + 1, STEPS + 1))
+    for step, records in final.items():
+        assert {r["replicas"] for r in records} == {1}
+        assert sorted(i for r in records for i in r["samples"]) == list(range((step - 1) * GLOBAL_BATCH,
+                                                                            step * GLOBAL_BATCH))
+    # The steps the kill lost, trained again: the same losses as their first time, on two replicas.
+    for step in lost:
+        assert final[step][0]["loss"] == pytest.approx(committed[step]["loss"], rel=1e-5), step
+    outcome = resumed.outcome()
+    assert set(outcome) == {(0, 0), (0, 1)} and {o["step"] for o in outcome.values()} == {STEPS}
+    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
+    for replica_pids in (*killed.pids().values(), *resumed.pids().values()):
+        assert not any(alive(pid) for pid in replica_pids)
+
+
 def _parse(*args: str) -> MonarchTrainer.Config:
     return ConfigManager().parse_args(["--module", "monarch_plugin.integrations.torchtitan", *args])
 

@@ -7,6 +7,7 @@ rank>.json` with the step reached and a checksum of its shards of the weights an
 holding the same shard in different replicas must agree). `--probe.shrunk_steps N` makes survivors of a death
 train N steps on their own and then wait at a step boundary until the replacement is announced, so a test
 sees shrink, training on survivors, regrow and heal in one short run however slowly the replacement starts.
+`--probe.step_sleep S` sleeps S seconds after each step, so a test can act between two checkpoints.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -27,6 +29,8 @@ from monarch_plugin.integrations.torchtitan.config_registry import llama3_debugm
 class Probe:
     shrunk_steps: int = -1
     """Steps the survivors of a death train alone before waiting for the replacement (-1: never wait)."""
+    step_sleep: float = 0.0
+    """Seconds slept after each step, as a larger model's step would take."""
 
 
 class ProbeTrainer(MonarchTrainer):
@@ -42,6 +46,7 @@ class ProbeTrainer(MonarchTrainer):
             record = {**vars(self.last_commit), "pid": os.getpid()}
             with open(self._path("steps", "jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
+        time.sleep(self.config.probe.step_sleep)
 
     def _wait_for_regrow(self) -> None:
         tx, wanted = self._tx, self.config.monarch.replicas
