@@ -1,9 +1,9 @@
 """Soak the chaos tests: run each front end's seeded chaos test again and again, each time on a fresh seed.
 
-    python benchmarks/chaos_soak.py --runs 8 --front-ends plain lightning hf --out benchmarks/results
+    python benchmarks/chaos_soak.py --runs 8 --front-ends plain lightning hf torchtitan --out benchmarks/results
 
-CI runs the plain loop's chaos test once per run, on a fresh seed; Lightning's and HF's are `soak` tests, left out of
-the default run for the suite's time. This runs any of them `--runs` times each, one pytest process at a time (the tests are timing-sensitive on 2 cores: never two at once), and
+CI runs the plain loop's chaos test once per run, on a fresh seed; Lightning's, HF's and torchtitan's are `soak` tests,
+left out of the default run for the suite's time. This runs any of them `--runs` times each, one pytest process at a time (the tests are timing-sensitive on 2 cores: never two at once), and
 records every draw with its outcome and time, so a failing seed can be replayed (`CHAOS_SEED=<seed>`).
 
 Writes <out>/chaos_soak.json and prints one markdown row per front end (pasted into docs/reliability.md).
@@ -26,6 +26,7 @@ TESTS = {
     "plain": "test_plain_loop_survives_a_seeded_draw_of_failures",
     "lightning": "test_lightning_fit_survives_a_seeded_draw_of_failures",
     "hf": "test_hf_train_survives_a_seeded_draw_of_failures",
+    "torchtitan": "test_torchtitan_train_survives_a_seeded_draw_of_failures",
 }
 
 

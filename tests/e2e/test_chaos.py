@@ -4,8 +4,8 @@ identical replicas, the witness (a replica that trained from the start) must hav
 epoch, the events must tell exactly what was injected, and no process may be left.
 
 Each run draws a fresh seed and prints it; `CHAOS_SEED=<seed>` replays a draw. The default run (CI) runs the plain
-loop's; Lightning's and HF's (~70 s each) are `soak` tests, left out for the suite's time: `python -m pytest -m soak
-tests/e2e/test_chaos.py` runs them, `benchmarks/chaos_soak.py` runs them on many seeds.
+loop's; Lightning's, HF's and torchtitan's (~70-120 s each) are `soak` tests, left out for the suite's time:
+`python -m pytest -m soak tests/e2e/test_chaos.py` runs them, `benchmarks/chaos_soak.py` runs them on many seeds.
 """
 
 from __future__ import annotations
@@ -89,3 +89,39 @@ def test_hf_train_survives_a_seeded_draw_of_failures(hf_run):
     assert {r["global_step"] for r in results.values()} == {total}, str(chaos)
     counts = torch.tensor(witness["counts"])  # counted by the gradients
     torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+
+
+@pytest.fixture
+def titan_run(tmp_path):
+    yield from front_end_runs(tmp_path, "torchtitan", "test_torchtitan", "TitanRun")
+
+
+@pytest.mark.soak
+def test_torchtitan_train_survives_a_seeded_draw_of_failures(titan_run):
+    from test_torchtitan import SEQ_LEN, _final_records
+
+    steps, replicas, procs, local_batch = 60, 3, 2, 2
+    batch = replicas * procs * local_batch  # the global batch, whatever the live replicas
+    chaos = Chaos(seed_from_env(), total=steps, replicas=replicas)
+    print(chaos)
+    run = titan_run().start("--training.steps", str(steps), "--monarch.replicas", str(replicas),
+                            "--monarch.min_replicas", "1", "--monarch.spares", "1",
+                            "--monarch.collective_timeout_s", "5", "--probe.step_sleep", "0.1",
+                            *(("--monarch.fault", chaos.faults()) if chaos.faults() else ()))
+    chaos.survive(run, lambda: run.progress(chaos.witness))
+    outcome = run.outcome()
+    finishers = sorted({replica for replica, _ in outcome})
+    assert chaos.witness in finishers and {o["step"] for o in outcome.values()} == {steps}, (outcome, str(chaos))
+    # Every finisher holds the witness's shards, and read the stream as far as every step's global batch.
+    for local in range(procs):
+        assert {outcome[r, local]["checksum"] for r in finishers} == {outcome[chaos.witness, local]["checksum"]}
+    assert {o["ntokens_seen"] for o in outcome.values()} == {steps * batch * SEQ_LEN}, str(chaos)
+    # Each step was committed once, on one loss, by a generation the witness was in, and trained no sample twice;
+    # the witness (never hit) recorded its share of every step.
+    witness = {r["step"] for records in (run.steps()[chaos.witness, k] for k in range(procs)) for r in records}
+    assert witness == set(range(1, steps + 1)), str(chaos)
+    for step, records in _final_records(run.steps()).items():
+        samples = [i for r in records for i in r["samples"]]
+        assert len(samples) == len(set(samples)), (step, records, str(chaos))
+        assert set(samples) <= set(range((step - 1) * batch, step * batch)), (step, records, str(chaos))
+        assert len({round(r["loss"], 9) for r in records}) == 1, (step, records, str(chaos))
