@@ -39,6 +39,7 @@ from monarch_plugin.protocol import (
     ReplicaState,
     mesh_names,
     replica_of_mesh,
+    spawned_by_controller,
 )
 from monarch_plugin.target import Target
 from monarch_plugin.worker.checkpoint import newest
@@ -51,6 +52,37 @@ logger = logging.getLogger("monarch_plugin")
 _STALL_GRACE_S = 0.5
 _PROBE_TIMEOUT_S = 5.0
 """How long a probed control actor may take to say what its proc is doing; a frozen (SIGSTOPped) proc never does."""
+
+
+class _FaultRouter:
+    """Monarch's `unhandled_fault_hook`, for the rest of the process once a controller has run in it.
+
+    Monarch's default hook exits the process (a KeyboardInterrupt in the main thread) on any failure nobody
+    handled. During a run a worker's death is news for the controller. After a run it is stale news: a replica
+    killed as the run ended can be reported seconds after the shutdown, and restoring the default hook there
+    turned a finished run into exit status 1. So the failures of meshes a controller spawned belong to the
+    controller for the life of the process; any other mesh's failure goes to the hook that was there before."""
+
+    def __init__(self, outer) -> None:
+        self.outer = outer
+        self.active: ElasticController | None = None
+
+    def __call__(self, failure) -> None:
+        active = self.active
+        if active is not None:
+            active._on_mesh_failure(failure)
+        elif spawned_by_controller(str(getattr(failure, "mesh_name", ""))):
+            logger.debug("after the run: %s", _first_line(failure))
+        else:
+            self.outer(failure)
+
+    @classmethod
+    def installed(cls) -> _FaultRouter:
+        import monarch.actor
+
+        if not isinstance(monarch.actor.unhandled_fault_hook, cls):
+            monarch.actor.unhandled_fault_hook = cls(monarch.actor.unhandled_fault_hook)
+        return monarch.actor.unhandled_fault_hook
 
 
 def _first_line(failure) -> str:
@@ -129,11 +161,9 @@ class ElasticController:
     # -- public ------------------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        import monarch.actor
-
         t0 = time.time()
-        previous_hook = monarch.actor.unhandled_fault_hook
-        monarch.actor.unhandled_fault_hook = self._on_mesh_failure
+        faults = _FaultRouter.installed()
+        faults.active = self
         try:
             self.store = _store_on(self.config.store_host, self.config.join_timeout_s)
             self.store.set(Key.LATEST, "-1")
@@ -166,7 +196,7 @@ class ElasticController:
             )
         finally:
             self._shutdown()
-            monarch.actor.unhandled_fault_hook = previous_hook
+            faults.active = None
 
     # -- spawning ------------------------------------------------------------------------------------------
 
@@ -608,7 +638,7 @@ class ElasticController:
     # -- liveness --------------------------------------------------------------------------------------------
 
     def _on_mesh_failure(self, failure) -> None:
-        """Replaces Monarch's default hook, which would exit the controller on any worker death."""
+        """A failure nobody handled, during this run (`_FaultRouter`): a replica's death, or nothing of ours."""
         rid = replica_of_mesh(str(getattr(failure, "mesh_name", "")))
         if rid is not None:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
             self._q.put(("died", rid, f"supervision ({_first_line(failure)})"))

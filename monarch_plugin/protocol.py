@@ -24,6 +24,7 @@ __all__ = [
     "WAITING_ON_PEERS",
     "mesh_names",
     "replica_of_mesh",
+    "spawned_by_controller",
     "watcher_names",
 ]
 
@@ -199,6 +200,15 @@ def mesh_names(replica: int) -> tuple[str, str, str]:
 def watcher_names(host: int) -> tuple[str, str]:
     """A host's watcher proc mesh and its actor."""
     return f"host{host}_watch", f"host{host}_watcher"
+
+
+_SPAWNED = re.compile(r"(replica\d+|r\d+_(control|replica)|host\d+_watch(er)?|logger)(-|$)")
+
+
+def spawned_by_controller(name: str) -> bool:
+    """A failed mesh is one a controller spawned: a replica's or a host watcher's, or the logger Monarch puts on
+    each of their procs (`logger-<id>`, which names no proc mesh)."""
+    return _SPAWNED.match(name) is not None
 
 
 def replica_of_mesh(name: str) -> int | None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -148,3 +150,13 @@ def test_replacement_ready_after_the_end_is_stopped_not_stranded(elastic_run):
     assert run.events("run_end")
     for replica_pids in run.pids().values():
         assert not any(alive(pid) for pid in replica_pids)
+
+
+def test_a_death_reported_after_the_run_ends_does_not_take_the_process_down():
+    """Monarch reports a proc's death up to seconds after the pidfd does: a replica killed at the last step was
+    reported after the run's shutdown, and Monarch's default hook turned the finished run into exit status 1.
+    Real proc meshes, SIGKILLed with a call in flight: a replica's report is dropped, a user mesh's is passed on."""
+    done = subprocess.run([sys.executable, str(WORKLOADS / "late_fault.py")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["user_actor"], done.stdout + done.stderr

@@ -19,6 +19,8 @@ from monarch_plugin.protocol import (
     ReplicaState,
     mesh_names,
     replica_of_mesh,
+    spawned_by_controller,
+    watcher_names,
 )
 from monarch_plugin.worker.transaction import rng_state, set_rng_state
 
@@ -42,6 +44,12 @@ def test_mesh_names_parse_back_to_their_replica_and_monarchs_own_do_not():
     _, control, actor = mesh_names(12)
     assert replica_of_mesh(control) == replica_of_mesh(actor) == 12
     assert replica_of_mesh("logger_mesh") is None
+
+
+def test_the_meshes_a_controller_spawns_are_told_from_a_users():
+    names = [*mesh_names(3), *watcher_names(1), "logger"]
+    assert all(spawned_by_controller(f"{name}-e8XgET6cdYv") for name in names)  # Monarch suffixes an id
+    assert not any(spawned_by_controller(name) for name in ("user_actor-x1", "replicas-x1", "loggers", "trainer"))
 
 
 def test_phases_and_states_compare_with_their_wire_text():
