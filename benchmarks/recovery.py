@@ -65,11 +65,11 @@ def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
 
 
 def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, spares: int = 0,
-                forkserver: bool = True) -> dict:
+                forkserver: bool = True, min_replicas: int = 2) -> dict:
     out = work / f"elastic-{size}-spares{spares}{'' if forkserver else '-fresh'}"
     out.mkdir(parents=True)
     events_path = out / "events.jsonl"
-    proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", "2",
+    proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", str(min_replicas),
                              "--spares", str(spares), "--forkserver" if forkserver else "--no-forkserver",
                              "--events", str(events_path), str(WORKLOAD), "--mode", "elastic", "--size", size,
                              "--steps", str(steps), "--out", str(out)],

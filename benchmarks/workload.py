@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SIZES = {"10m": (1024, 4096, 1), "100m": (2048, 8192, 3)}  # (width, hidden, blocks)
+SIZES = {"10m": (1024, 4096, 1), "100m": (2048, 8192, 3), "300m": (2048, 8192, 9)}  # (width, hidden, blocks)
 
 
 def build(size: str) -> nn.Module:

@@ -247,7 +247,8 @@ class ReplicaSession:
         if self.rank == plan.donor:
             self.ctx.events.emit(
                 "heal", gen=self.gen, donor=self.members[plan.donor], recipients=recipients, step=plan.step,
-                bytes=moved.bytes, seconds=round(time.time() - t0, 4), bound_s=round(moved.bound_s, 1),
+                bytes=moved.bytes, seconds=round(time.time() - t0, 4), transfer_s=round(moved.seconds, 4),
+                bound_s=round(moved.bound_s, 1),
             )
 
     # -- steps ---------------------------------------------------------------------------------------
