@@ -3,7 +3,7 @@
 On gloo, when a peer dies mid all-reduce only its ring neighbours see an error; the other survivors block
 until the gloo timeout, and `abort()` does not release them. So every collective here is issued async and
 waited on through its future's callback *or* the worker's abort flag, whichever comes first. The abandoned
-group is dropped, never reused; its stuck gloo threads end at its own timeout.
+group is never reused; it is kept until its stuck gloo threads end at its own timeout, then dropped.
 
 Group construction waits on the store, and a TCPStore client serves one request at a time: a blocking
 `get` holds the worker's one connection until its key appears. So construction sees the store through
@@ -251,10 +251,28 @@ class _AbandonableStore(dist.Store):
 
 
 def abandon(pg) -> None:
-    """Give up on a group after an interruption: NCCL/RCCL can abort, gloo is just dropped."""
-    _store_of.pop(id(pg), None)
-    if pg is not None and hasattr(pg, "abort") and isinstance(pg, getattr(dist, "ProcessGroupNCCL", ())):
+    """Give up on a group after an interruption: NCCL/RCCL can abort; a gloo group is kept until its timeout has
+    passed, and only then dropped.
+
+    Gloo cannot abort an operation in flight, and destroying a gloo group waits for the operations it has queued:
+    after a step interrupted mid-reduction, one that ends only at the group's timeout (or when a peer's socket
+    closes). Dropped at once, that wait fell on whichever thread freed the group last: under Lightning, whose
+    objects hold the group in reference cycles, a garbage collection in the middle of a later step, holding the
+    GIL, which froze every thread of the proc (its control actor's included) for 10-20 s at a time. Kept until
+    its timeout, a group has nothing left to wait for when it goes."""
+    store = _store_of.pop(id(pg), None)
+    if pg is None:
+        return
+    if hasattr(pg, "abort") and isinstance(pg, getattr(dist, "ProcessGroupNCCL", ())):
         try:
             pg.abort()
         except Exception:  # noqa: BLE001 - the group is already broken; nothing more to do
             pass
+        return
+    now = time.monotonic()
+    _graves[:] = [grave for grave in _graves if grave[0] > now]  # their operations have all ended
+    _graves.append((now + (store._timeout_s if store is not None else 0.0) + 1.0, pg, store))
+
+
+_graves: list[tuple[float, object, object]] = []
+"""Abandoned gloo groups, with the stores they were built over, each until its timeout has passed (`abandon`)."""
