@@ -1,6 +1,8 @@
 """Goodput under a failure schedule: how long the same training takes when a worker is SIGKILLed every N seconds.
 
     python benchmarks/goodput.py --steps 450 --every 60 15 --seed 0 --out benchmarks/results
+    python benchmarks/goodput.py --lightning --steps 300 --every 15 --seed 0 --out benchmarks/results
+    python benchmarks/goodput.py --steps 300 --every 15 --checkpoint-every --repeats 3   # no restart variants
 
 Every variant trains the 10M MLP of `workload.py` to the same step count on 4 workers with the same global batch,
 one after another in this invocation (so every ratio compares runs on one machine state):
@@ -12,14 +14,24 @@ one after another in this invocation (so every ratio compares runs on one machin
   restart-N      torchrun --max-restarts + DDP writing a checkpoint every N steps; a death restarts every worker
                  from the newest checkpoint
 
+With --lightning, the same MLP as a LightningModule (`lightning_workload.py`) instead, 4 CPU devices:
+
+  lightning-ddp            Trainer(strategy="ddp") under torchrun, no failure: the baseline, goodput 1
+  lightning-monarch-free   Trainer(strategy=MonarchStrategy(min_replicas=2)), no failure
+  lightning-monarch        the same, a cold replacement for each death
+  lightning-restart-N      strategy="ddp" under torchrun --max-restarts, ModelCheckpoint every N steps, and each
+                           start resumes from the newest (`fit(ckpt_path=".../last.ckpt")`)
+
 In the failure variants this script SIGKILLs one worker by pid every `--every` seconds from the first step on
 (times and victims drawn from `--seed`), until the run ends; a kill that finds no victim (a torchrun restart in
 progress, or an elastic run at `--min-replicas`) waits until there is one, as a failure on a cluster would.
 Goodput is committed samples per second, from the first step to the last (or to the stop of a variant that has
 not finished after `--cap` times the baseline's time, counting the steps it had reached), as a fraction of
-failure-free DDP's. Steps lost per failure: the steps a restart redid (a dropped step for
-the elastic runs). Writes <out>/goodput.json and <out>/goodput-<every>s.png (steps over time, kills marked), and
-prints a markdown table (pasted into docs/benchmarks.md).
+failure-free DDP's (Lightning's DDP with --lightning). Steps lost per failure: the steps a restart redid (a
+dropped step for the elastic runs). Writes <out>/goodput.json and <out>/goodput-<every>s.png (steps over time, kills
+marked; goodput-lightning.* with --lightning), and prints a markdown table (pasted into docs/benchmarks.md).
+With --repeats R every variant runs R times, interleaved (each repeat its own seed and its own baseline, so its
+ratios share one machine state), and the table gives medians: single runs here spread widely between invocations.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +54,7 @@ from monarch_plugin.events import EventLog, read_events
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "workload.py"
+LIGHTNING = HERE / "lightning_workload.py"
 BIN = Path(sys.executable).parent
 REPLICAS, MIN_REPLICAS = 4, 2
 
@@ -54,7 +68,18 @@ def _lines(out: Path) -> dict[str, list[tuple[int, float]]]:
     return found
 
 
+def _elastic(variant: str) -> bool:
+    """Run by the Monarch controller (its events name the members), rather than restarted by torchrun."""
+    return variant.startswith(("elastic", "lightning-monarch"))
+
+
 def _command(variant: str, out: Path, steps: int) -> list[str]:
+    if variant.startswith("lightning-monarch"):
+        return [sys.executable, str(LIGHTNING), "--strategy", "monarch", "--steps", str(steps), "--out", str(out)]
+    if variant.startswith("lightning-"):
+        every = variant.removeprefix("lightning-restart-") if "restart" in variant else "0"
+        return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(REPLICAS), "--max-restarts", "1000",
+                str(LIGHTNING), "--strategy", "ddp", "--steps", str(steps), "--ckpt-every", every, "--out", str(out)]
     if variant.startswith("elastic"):
         spares = "1" if variant == "elastic-spare" else "0"
         return [str(BIN / "monarch-run"), "--replicas", str(REPLICAS), "--min-replicas", str(MIN_REPLICAS),
@@ -69,7 +94,7 @@ def _command(variant: str, out: Path, steps: int) -> list[str]:
 def _victims(variant: str, out: Path) -> list[int]:
     """The pids a kill may hit now: members of the newest elastic generation above `min_replicas`, or the workers
     of torchrun's newest round once it trains."""
-    if variant.startswith("elastic"):
+    if _elastic(variant):
         events = read_events(str(out / "events.jsonl")) if (out / "events.jsonl").exists() else []
         spawned = {e["replica"]: e["pids"][0] for e in events if e["event"] == "spawn"}
         members = [spawned[m] for m in _members(events) if m in spawned]
@@ -116,7 +141,7 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
             except ProcessLookupError:
                 continue
             kills.append({"ts": time.time(), "pid": pid})
-            if variant.startswith("elastic"):
+            if _elastic(variant):
                 EventLog(str(out / "events.jsonl"), source="benchmark").emit("kill", pid=pid)
             due += every * rng.uniform(0.5, 1.5)
         if capped:
@@ -139,7 +164,7 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
     end = first + cap_s if capped else max(t for series in lines.values() for s, t in series if s == steps - 1)
     result = {"variant": variant, "every_s": every, "seconds": end - start, "kills": len(kills), "capped": capped,
               "kill_times": [k["ts"] - start for k in kills]}
-    if variant.startswith("elastic"):
+    if _elastic(variant):
         events = read_events(str(out / "events.jsonl"))
         result["steps_lost"] = len({(e["gen"], e["step"]) for e in events if e["event"] == "dropped_step"})
         result["deaths"] = len([e for e in events if e["event"] == "death"])
@@ -203,38 +228,68 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=450)
     p.add_argument("--every", type=float, nargs="+", default=[60.0, 15.0], help="seconds between kills")
-    p.add_argument("--checkpoint-every", type=int, nargs="+", default=[10, 50], help="torchrun's, in steps")
+    p.add_argument("--checkpoint-every", type=int, nargs="*", default=[10, 50],
+                   help="torchrun's, in steps: one restart variant each (none: no restart variants)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every variant this many times, interleaved (seed, seed+1, ...); the table gives medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cap", type=float, default=3.0, help="stop a variant after this many times the baseline's time")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--work", default="/tmp/monarch_plugin_goodput")
+    p.add_argument("--lightning", action="store_true", help="the Lightning variants (lightning_workload.py)")
     args = p.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
-    baseline = run(work, "ddp", args.steps, None, args.seed, cap_s=3600)
-    cap = args.cap * baseline["seconds"]
-    results = [baseline, run(work, "elastic-free", args.steps, None, args.seed, cap)]
-    for every in args.every:
-        for variant in ("elastic", "elastic-spare", *(f"restart-{n}" for n in args.checkpoint_every)):
-            results.append(run(work, variant, args.steps, every, args.seed, cap))
-    rate = args.steps / baseline["seconds"]
-    for r in results:
-        r["goodput"] = r["steps_done"] / r["seconds"] / rate
-        r["samples_per_s"] = r["steps_done"] * 32 / r["seconds"]
+    prefix, name = ("lightning-", "goodput-lightning") if args.lightning else ("", "goodput")
+    free = "lightning-monarch-free" if args.lightning else "elastic-free"
+    elastic = ("lightning-monarch",) if args.lightning else ("elastic", "elastic-spare")
+    results = []
+    for repeat in range(args.repeats):  # interleaved, so each repeat's ratios share one machine state
+        here, seed = work / f"repeat{repeat}", args.seed + repeat
+        baseline = run(here, f"{prefix}ddp", args.steps, None, seed, cap_s=3600)
+        cap = args.cap * baseline["seconds"]
+        batch = [baseline, run(here, free, args.steps, None, seed, cap)]
+        for every in args.every:
+            for variant in (*elastic, *(f"{prefix}restart-{n}" for n in args.checkpoint_every)):
+                batch.append(run(here, variant, args.steps, every, seed, cap))
+        rate = args.steps / baseline["seconds"]
+        for r in batch:
+            r["repeat"] = repeat
+            r["goodput"] = r["steps_done"] / r["seconds"] / rate
+            r["samples_per_s"] = r["steps_done"] * 32 / r["seconds"]
+        results += batch
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "goodput.json").write_text(json.dumps(results, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
     for every in args.every:
-        plot(results, every, out / f"goodput-{every:.0f}s.png")
-    print(f"\n| variant | kill every | kills | steps done (of {args.steps}) in | samples/s | goodput | "
-          "steps lost per kill |\n|---|---|---|---|---|---|---|")
-    for r in results:
-        per_kill = f"{r['steps_lost'] / r['kills']:.1f}" if r["kills"] else "-"
-        every = "-" if r["every_s"] is None else f"{r['every_s']:.0f} s"
-        done = f"{r['steps_done']} in {r['seconds']:.1f} s{' (stopped)' if r['capped'] else ''}"
-        print(f"| {r['variant']} | {every} | {r['kills']} | {done} | {r['samples_per_s']:.0f} | "
-              f"{r['goodput']:.3f} | {per_kill} |")
+        plot([r for r in results if r["repeat"] == 0], every, out / f"{name}-{every:.0f}s.png")
+    print(table(results, args.steps))
 
+
+def table(results: list[dict], steps: int) -> str:
+    """One row per variant and schedule: medians over the repeats (and the range of goodput where there are several)."""
+    def median(rows, fn, fmt, spread=False):
+        values = sorted(fn(r) for r in rows)
+        mid = fmt.format(statistics.median(values))
+        return mid if len(values) == 1 or not spread else f"{mid} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["variant"], r["every_s"]), []).append(r)
+    repeats = max(r["repeat"] for r in results) + 1
+    lines = [f"Medians of {repeats} repeat(s); goodput's range in brackets.", "",
+             f"| variant | kill every | kills | steps done (of {steps}) | seconds | samples/s | goodput | "
+             "steps lost per kill |", "|---|---|---|---|---|---|---|---|"]
+    for (variant, every), rows in groups.items():
+        killed = [r for r in rows if r["kills"]]
+        per_kill = median(killed, lambda r: r["steps_lost"] / r["kills"], "{:.1f}") if killed else "-"
+        stopped = " (stopped)" if any(r["capped"] for r in rows) else ""
+        lines.append(" | ".join([
+            f"| {variant}", "-" if every is None else f"{every:.0f} s", median(rows, lambda r: r["kills"], "{:.0f}"),
+            median(rows, lambda r: r["steps_done"], "{:.0f}") + stopped, median(rows, lambda r: r["seconds"], "{:.1f}"),
+            median(rows, lambda r: r["samples_per_s"], "{:.0f}"),
+            median(rows, lambda r: r["goodput"], "{:.3f}", spread=True), per_kill]) + " |")
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     main()
