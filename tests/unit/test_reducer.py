@@ -1,4 +1,5 @@
-"""The step transaction's reducer on a real (single-rank) gloo group: weighting, overlap, accumulation."""
+"""The step transaction's reducer on a real (single-rank) gloo group: weighting, overlap, accumulation; and the
+groups it reduces over (construction abandoned, a group let go with a reduction in flight), on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -119,6 +120,39 @@ def test_group_construction_is_abandoned_when_a_newer_generation_comes():
     t0 = time.monotonic()
     with pytest.raises(GenerationChanged, match="abandoned during construction"):
         new_group(store, "g", 0, 2, "gloo", 30.0, superseded=superseded.is_set)
+    assert time.monotonic() - t0 < 5
+
+
+def test_an_abandoned_group_with_a_reduction_in_flight_costs_nothing_to_let_go():
+    """Destroying a gloo group waits for what it queued, and a step interrupted mid-reduction leaves an operation
+    that ends only at the group's timeout (20 s here): freed by a garbage collection mid-step, that wait froze a
+    Lightning proc, GIL held. `abandon` keeps the group until then. Two real ranks of one gloo group, one of them
+    reducing alone."""
+    import gc
+    import threading
+    import time
+
+    from monarch_plugin.worker.collectives import abandon
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    groups = {}
+
+    def build(rank):  # a client each: one TCPStore client serves one request at a time
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("t", client), rank, 2, datetime.timedelta(seconds=20))
+
+    builders = [threading.Thread(target=build, args=(rank,)) for rank in (0, 1)]
+    for t in builders:
+        t.start()
+    for t in builders:
+        t.join(timeout=30)
+    assert set(groups) == {0, 1}
+    pg = groups.pop(0)
+    in_flight = pg.allreduce([torch.ones(4)])  # rank 1 never joins it
+    t0 = time.monotonic()
+    abandon(pg)
+    del pg, in_flight
+    gc.collect()
     assert time.monotonic() - t0 < 5
 
 
