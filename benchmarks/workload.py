@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-SIZES = {"10m": (1024, 4096, 1), "100m": (2048, 8192, 3), "300m": (2048, 8192, 9)}  # (width, hidden, blocks)
+SIZES = {  # (width, hidden, blocks)
+    "tiny": (64, 256, 1), "10m": (1024, 4096, 1), "100m": (2048, 8192, 3), "300m": (2048, 8192, 9),
+}
 
 
 def build(size: str) -> nn.Module:

@@ -1,0 +1,116 @@
+"""How the generation protocol's turnaround grows with the replica count, on real replicas of a tiny model.
+
+For each count N, one `monarch-run --replicas N` of workload.py's `tiny` MLP (global batch 32, so each replica
+trains on 32/N samples), replica 1 SIGKILLed by this script once it has committed `--kill-at` steps; the
+replacement is cold (forked from the forkserver). Read from the run's events, each from the kill or the grow:
+
+  detected        kill -> the controller's death event (a pidfd)
+  shrink plan     kill -> the generation without it published (quorum event)
+  all survivors   kill -> the last survivor's first committed step in that generation: every survivor is in the
+                  new group and training
+  grow            the generation admitting the replacement published -> the last member's first committed step in
+                  it (the newcomer healed and every member training together)
+
+    python benchmarks/scale.py --replicas 2 4 8 16 --out benchmarks/results
+
+Writes <out>/scale.json and prints a markdown table. All N replicas share this machine's cores, so the step
+itself grows with N here; the turnaround columns are what the protocol adds around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from monarch_plugin.events import EventLog, read_events
+
+HERE = Path(__file__).resolve().parent
+WORKLOAD = HERE / "workload.py"
+BIN = Path(sys.executable).parent
+
+
+def _steps(path: Path) -> list[tuple[int, float]]:
+    if not path.exists():
+        return []
+    return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
+
+
+def run(work: Path, replicas: int, steps: int, kill_at: int) -> dict:
+    out = work / f"scale-{replicas}"
+    out.mkdir(parents=True)
+    events_path = out / "events.jsonl"
+    proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", "1",
+                             "--join-timeout", "300", "--events", str(events_path), str(WORKLOAD), "--mode", "elastic",
+                             "--size", "tiny", "--steps", str(steps), "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
+    try:
+        deadline = time.monotonic() + 600
+        while len(_steps(out / "steps-1.txt")) < kill_at:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{replicas} replicas: ended or timed out before step {kill_at}; see {out}")
+            time.sleep(0.02)
+        victim = next(e for e in read_events(str(events_path)) if e["event"] == "spawn" and e["replica"] == 1)
+        os.kill(victim["pids"][0], signal.SIGKILL)
+        EventLog(str(events_path), source="benchmark").emit("kill", replica=1, pid=victim["pids"][0])
+        if proc.wait(timeout=600) != 0:
+            raise RuntimeError(f"{replicas} replicas: the run failed; see {out}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    events = read_events(str(events_path))
+    kill = next(e["ts"] for e in events if e["event"] == "kill")
+    death = next(e["ts"] for e in events if e["event"] == "death")
+    quorums = [e for e in events if e["event"] == "quorum"]
+    shrink = next(q for q in quorums if q["ts"] >= death and 1 not in q["members"])
+    grow = next(q for q in quorums if q["gen"] > shrink["gen"] and len(q["members"]) == replicas)
+    firsts = {e["gen"]: [] for e in events if e["event"] == "first_commit"}
+    for e in events:
+        if e["event"] == "first_commit":
+            firsts[e["gen"]].append(e["ts"])
+    before = [t for s, t in _steps(out / "steps-0.txt") if s < kill_at]
+    if len(firsts.get(shrink["gen"], [])) < replicas - 1 or len(firsts.get(grow["gen"], [])) < replicas:
+        raise RuntimeError(f"{replicas} replicas: not every member committed in the new generations; see {out}")
+    return {
+        "replicas": replicas,
+        "step_s": statistics.median(b - a for a, b in zip(before[3:], before[4:])),
+        "detected_s": death - kill,
+        "shrink_plan_s": shrink["ts"] - kill,
+        "all_survivors_s": max(firsts[shrink["gen"]]) - kill,
+        "grow_s": max(firsts[grow["gen"]]) - grow["ts"],
+        "shrink_gens": grow["gen"] - shrink["gen"],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--kill-at", type=int, default=40)
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--work", type=Path, default=Path("/tmp/monarch_plugin_scale"))
+    args = p.parse_args()
+    shutil.rmtree(args.work, ignore_errors=True)
+    results = []
+    for n in args.replicas:
+        results.append(run(args.work, n, args.steps, args.kill_at))
+        print(json.dumps(results[-1]), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "scale.json").write_text(json.dumps(results, indent=1))
+    print("\n| replicas | step | kill -> detected | kill -> shrink plan | kill -> every survivor training | "
+          "grow plan -> every member training |\n|---|---|---|---|---|---|")
+    for r in results:
+        ms = [f"{r[k] * 1000:.0f} ms" for k in ("step_s", "detected_s", "shrink_plan_s", "all_survivors_s", "grow_s")]
+        print(f"| {r['replicas']} | " + " | ".join(ms) + " |")
+
+
+if __name__ == "__main__":
+    main()
