@@ -21,67 +21,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
-import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from monarch_plugin.events import EventLog, read_events
+from monarch_plugin.events import read_events
+from recovery import run_elastic
 
 HERE = Path(__file__).resolve().parent
-WORKLOAD = HERE / "workload.py"
-BIN = Path(sys.executable).parent
-
-
-def _steps(path: Path) -> list[tuple[int, float]]:
-    if not path.exists():
-        return []
-    return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
 
 
 def run(work: Path, replicas: int, steps: int, kill_at: int) -> dict:
-    out = work / f"scale-{replicas}"
-    out.mkdir(parents=True)
-    events_path = out / "events.jsonl"
-    proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", "1",
-                             "--join-timeout", "300", "--events", str(events_path), str(WORKLOAD), "--mode", "elastic",
-                             "--size", "tiny", "--steps", str(steps), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
-    try:
-        deadline = time.monotonic() + 600
-        while len(_steps(out / "steps-1.txt")) < kill_at:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{replicas} replicas: ended or timed out before step {kill_at}; see {out}")
-            time.sleep(0.02)
-        victim = next(e for e in read_events(str(events_path)) if e["event"] == "spawn" and e["replica"] == 1)
-        os.kill(victim["pids"][0], signal.SIGKILL)
-        EventLog(str(events_path), source="benchmark").emit("kill", replica=1, pid=victim["pids"][0])
-        if proc.wait(timeout=600) != 0:
-            raise RuntimeError(f"{replicas} replicas: the run failed; see {out}")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    events = read_events(str(events_path))
+    here = work / f"scale-{replicas}"
+    elastic = run_elastic(here, "tiny", replicas, steps, kill_at, min_replicas=1)  # kills replica 1 at `kill_at`
+    out = next(here.glob("elastic-tiny-*"))
+    events = read_events(str(out / "events.jsonl"))
     kill = next(e["ts"] for e in events if e["event"] == "kill")
     death = next(e["ts"] for e in events if e["event"] == "death")
     quorums = [e for e in events if e["event"] == "quorum"]
     shrink = next(q for q in quorums if q["ts"] >= death and 1 not in q["members"])
     grow = next(q for q in quorums if q["gen"] > shrink["gen"] and len(q["members"]) == replicas)
-    firsts = {e["gen"]: [] for e in events if e["event"] == "first_commit"}
+    firsts: dict[int, list[float]] = {}
     for e in events:
         if e["event"] == "first_commit":
-            firsts[e["gen"]].append(e["ts"])
-    before = [t for s, t in _steps(out / "steps-0.txt") if s < kill_at]
+            firsts.setdefault(e["gen"], []).append(e["ts"])
     if len(firsts.get(shrink["gen"], [])) < replicas - 1 or len(firsts.get(grow["gen"], [])) < replicas:
         raise RuntimeError(f"{replicas} replicas: not every member committed in the new generations; see {out}")
     return {
         "replicas": replicas,
-        "step_s": statistics.median(b - a for a, b in zip(before[3:], before[4:])),
+        "step_s": elastic["step_s"],
         "detected_s": death - kill,
         "shrink_plan_s": shrink["ts"] - kill,
         "all_survivors_s": max(firsts[shrink["gen"]]) - kill,
