@@ -179,7 +179,8 @@ def test_failure_free_run_matches_torchrun_ddp_and_a_give_up_checkpoint_resumes_
 
     assert "below --min-replicas 2" in stopped.output  # monarch-run's flag: it launched the run
     give_up = stopped.events("give_up")
-    assert len(give_up) == 1 and give_up[0]["checkpoint"] == str(stopped.out / "hf" / "checkpoint-5"), give_up
+    assert len(give_up) == 1 and give_up[0]["checkpoint"] == str(stopped.out / "hf" / "checkpoint-5"), (
+        give_up, stopped.events("user_error"), stopped.output)
     assert [c["replica"] for c in stopped.events("checkpoint")] == [1]
     resumed = hf_run().start("--replicas", "2", script_args=(*common, "--resume", give_up[0]["checkpoint"]))
     assert resumed.wait(timeout=180) == 0, resumed.output
@@ -327,7 +328,8 @@ def test_streaming_dataset_added_late_matches_torchrun_and_its_give_up_checkpoin
 
     # Replica 0 died at step 5, inside pass 1: the survivor's checkpoint carries the stream's position.
     give_up = stopped.events("give_up")
-    assert len(give_up) == 1 and give_up[0]["checkpoint"] == str(stopped.out / "hf" / "checkpoint-5"), give_up
+    assert len(give_up) == 1 and give_up[0]["checkpoint"] == str(stopped.out / "hf" / "checkpoint-5"), (
+        give_up, stopped.events("user_error"), stopped.output)
     assert (Path(give_up[0]["checkpoint"]) / "monarch_stream.pt").is_file()
     resumed = hf_run().start("--replicas", "2", script_args=(*common, "--resume", give_up[0]["checkpoint"]))
     assert resumed.wait(timeout=180) == 0, resumed.output
