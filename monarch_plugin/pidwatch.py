@@ -66,17 +66,21 @@ class PidWatch:
             self._held.clear()
 
     def _watch(self) -> None:
+        # poll, not select: select takes no fd numbered past 1,023, and a controller with a few hundred procs holds
+        # that many (a store connection per proc besides their pidfds); select's ValueError ended this thread, and
+        # with it every death notice of the run.
         while not self._closed.is_set():
             with self._lock:
                 fds = list(self._running)
             if not fds:
                 time.sleep(0.01)
                 continue
-            try:
-                readable, _, _ = select.select(fds, [], [], 0.05)
-            except OSError:  # closed meanwhile
-                continue
-            for fd in readable:
+            poller = select.poll()
+            for fd in fds:
+                poller.register(fd, select.POLLIN)
+            for fd, mask in poller.poll(50):
+                if mask & select.POLLNVAL:  # closed meanwhile
+                    continue
                 with self._lock:
                     entry = self._running.pop(fd, None)
                 if entry is not None:
