@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -43,6 +43,7 @@ from monarch_plugin.protocol import (
 )
 from monarch_plugin.target import Target
 from monarch_plugin.worker.checkpoint import newest
+from monarch_plugin.worker.collectives import supersede
 from monarch_plugin.worker.session import FORMATION_BOUND_S
 
 __all__ = ["ElasticController", "RunResult"]
@@ -91,6 +92,10 @@ def _first_line(failure) -> str:
     return text.splitlines()[0][:200] if text else type(failure).__name__
 
 
+Launch = Callable[[int, int, dict], tuple[Any, Any, Any]]
+"""`launch(replica, procs, env)` -> (proc mesh, `ControlActor` mesh, `ReplicaActor` mesh) of a new replica."""
+
+
 @dataclass
 class RunResult:
     """What `ElasticController.run` returns once every member finished training."""
@@ -123,7 +128,9 @@ class _Replica:
 class ElasticController:
     """Runs `target` on `config.replicas` replica groups and keeps it running through worker deaths."""
 
-    def __init__(self, config: ElasticConfig, target: Target):
+    def __init__(self, config: ElasticConfig, target: Target, launch: Launch | None = None):
+        """`launch` starts a replica's procs and its two actors; Monarch's proc meshes unless given (a benchmark
+        gives its own, to drive this controller with more simulated replicas than a machine holds processes)."""
         config.validate()
         resolve_backend(config.cross_backend)
         self._resume_asked = config.resume is not None
@@ -143,6 +150,7 @@ class ElasticController:
         self.wanted = config.replicas
         """The size the run trains at when it can: `replicas`, grown up to `max_replicas` by machines that join."""
         self._q: queue.Queue = queue.Queue()
+        self._launch = launch or self._launch_on_monarch
         # On one machine: plans its GPUs now (ConfigError if short). On several: each must see these paths.
         shared = [os.getcwd(), os.path.dirname(os.path.abspath(config.events_path or "x"))]
         if target.kind == "script":
@@ -228,9 +236,14 @@ class ElasticController:
         spawner.start()
         return True
 
-    def _spawn_worker(self, replica: _Replica) -> None:
+    def _launch_on_monarch(self, rid: int, procs: int, env: dict[str, str]) -> tuple[Any, Any, Any]:
         from monarch_plugin.worker.actors import ControlActor, ReplicaActor
 
+        mesh_name, control_name, actor_name = mesh_names(rid)
+        mesh = self.hosts.spawn_procs(rid, procs, mesh_name)
+        return mesh, mesh.spawn(control_name, ControlActor), mesh.spawn(actor_name, ReplicaActor, env)
+
+    def _spawn_worker(self, replica: _Replica) -> None:
         k = self.config.procs_per_replica
         env = {
             **self.config.env,
@@ -250,11 +263,7 @@ class ElasticController:
         }
         try:
             env["MASTER_PORT"] = str(self.hosts.free_port(replica.rid))  # free there, not here
-            mesh_name, control_name, actor_name = mesh_names(replica.rid)
-            mesh = self.hosts.spawn_procs(replica.rid, k, mesh_name)
-            replica.mesh = mesh
-            replica.control = mesh.spawn(control_name, ControlActor)
-            replica.actor = mesh.spawn(actor_name, ReplicaActor, env)
+            replica.mesh, replica.control, replica.actor = self._launch(replica.rid, k, env)
             infos = list(replica.control.info.call().get(timeout=self.config.join_timeout_s).values())
             replica.pids = [i["pid"] for i in infos]
             self.hosts.watch(replica.rid, replica.pids)
@@ -603,10 +612,18 @@ class ElasticController:
                 replica.admitted = True
                 self.early_deaths = 0
             replica.state = ReplicaState.MEMBER
-        for m in previous:
+        # Formations of the generation this one replaces end now: their waiting members block on the store.
+        for lane in range(self.config.procs_per_replica if g > 0 else 0):
+            supersede(self.store, Key.group(g - 1, lane))
+            supersede(self.store, Key.heal_group(g - 1, lane))
+            if interrupt:  # a grow leaves members that reached the end to finish where they are
+                supersede(self.store, Key.finished(g - 1, lane))
+        # Each proc concerned is told as a message: a waiting one then reads the plan, never polls for it.
+        for m in dict.fromkeys(previous + self.members):
             control = self.replicas[m].control
+            tell = control.plan if m not in previous else control.abort if interrupt else control.regroup
             try:
-                (control.abort if interrupt else control.regroup).broadcast(g)
+                tell.broadcast(g)
             except Exception:  # noqa: BLE001 - a member that cannot be told is about to be found dead
                 pass
         self.events.emit("quorum", gen=g, members=self.members, reason=reason, interrupt=interrupt,

@@ -128,7 +128,7 @@ class Key:
 
     @staticmethod
     def finished(gen: int, lane: int) -> str:
-        """Counter: members whose proc `lane` reached the end of training in the generation."""
+        """The barrier (`collectives.barrier`) where the generation's procs `lane` meet at the end of training."""
         return f"fin/{gen}/{lane}"
 
     @staticmethod

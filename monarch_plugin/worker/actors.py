@@ -29,6 +29,10 @@ class ControlActor(Actor):
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
     @endpoint
+    def plan(self, gen: int) -> None:
+        context.flags.plan(gen)
+
+    @endpoint
     def abort(self, gen: int) -> None:
         context.flags.abort(gen)
 

@@ -28,6 +28,8 @@ __all__ = [
     "CollectiveFailed",
     "CollectiveTimedOut",
     "wait_all",
+    "barrier",
+    "supersede",
     "new_group",
 ]
 
@@ -90,6 +92,44 @@ def wait_all(works: list, flags: Flags, gen: int, timeout_s: float, interruptibl
         flags.install_waiter(None)
 
 
+_GO, _SUPERSEDED, _TIMED_OUT = b"go", b"superseded", b"timed out"
+
+
+def barrier(store: dist.Store, prefix: str, world: int, timeout_s: float, superseded: Callable[[], bool]) -> None:
+    """Return once all `world` members have arrived at `prefix`; raise GenerationChanged if it was superseded first,
+    CollectiveTimedOut if a member did not arrive in `timeout_s`.
+
+    The outcome is decided once, by compare-and-set on `<prefix>/decision`, so no member can go on while another
+    walks away: the last to arrive decides "go"; the controller (`supersede`), or a member that finds itself
+    superseded on arriving, decides "superseded"; a member that waited `timeout_s` decides "timed out". Every
+    member blocks on the decision in the store (one request, answered when the key is written), never polls: a
+    thousand replicas polling a barrier every few milliseconds were hundreds of thousands of requests a second on
+    the controller's one store, and the decision came only as fast as the store could answer them."""
+    decision_key = f"{prefix}/decision"
+    if store.add(f"{prefix}/arrived", 1) >= world:
+        decision = store.compare_set(decision_key, "", _GO)
+    elif superseded():
+        decision = store.compare_set(decision_key, "", _SUPERSEDED)
+    else:
+        try:
+            store.wait([decision_key], datetime.timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            pass
+        decision = store.compare_set(decision_key, "", _TIMED_OUT)
+    if decision == _GO:
+        return
+    if decision == _SUPERSEDED:
+        raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation)")
+    raise CollectiveTimedOut(f"{prefix}: formation abandoned (a member did not arrive in {timeout_s:.0f}s)")
+
+
+def supersede(store: dist.Store, prefix: str) -> None:
+    """Decide the barrier at `prefix` "superseded" unless it is already decided: its waiting members leave it at
+    once, and any that arrive later leave on arriving. The controller calls it for the formations of a
+    generation it has just replaced."""
+    store.compare_set(f"{prefix}/decision", "", _SUPERSEDED)
+
+
 def new_group(
     store: dist.Store,
     prefix: str,
@@ -104,9 +144,7 @@ def new_group(
 ) -> dist.ProcessGroup | None:
     """A fresh group over `world` ranks named by `prefix`, with an abortable arrival barrier first.
 
-    Group construction starts only once every member is known to be alive and waiting. Whether the
-    barrier completed or was abandoned (a newer generation, a timeout) is decided once, by compare-and-set
-    on `<prefix>/decision`, so no member can start constructing while another walks away. A member that
+    Group construction starts only once every member is known to be alive and waiting (`barrier`). A member that
     dies after the barrier leaves the others inside the constructor: they leave it within milliseconds of
     the controller's next plan (`superseded()`), never at the group timeout. Returns None for a group of
     one: nothing to reduce with. `fault_point(where)` is called after the barrier ("arrived") and inside
@@ -116,21 +154,7 @@ def new_group(
     A gloo group listens on `address` only: loopback when every member is on this host, the host's own address on
     the job's network otherwise (gloo's default, the hostname's address, may be another interface or none).
     """
-    store.add(f"{prefix}/arrived", 1)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if store.add(f"{prefix}/arrived", 0) >= world:
-            decision = store.compare_set(f"{prefix}/decision", "", "go")
-        elif superseded() or time.monotonic() > deadline:
-            decision = store.compare_set(f"{prefix}/decision", "", "abandon")
-        else:
-            time.sleep(0.002)
-            continue
-        if decision == b"go":
-            break
-        if superseded():
-            raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation)")
-        raise CollectiveTimedOut(f"{prefix}: formation abandoned (a member did not arrive in {timeout_s:.0f}s)")
+    barrier(store, prefix, world, timeout_s, superseded)
     if fault_point is not None:
         fault_point("arrived")
     if world == 1:

@@ -1,9 +1,10 @@
 """Process-global state of one worker: who it is, where the controller's store is, and the interrupt flags.
 
 Two threads touch it. The training thread reads it at step boundaries and while it waits on a collective;
-the control actor's thread sets `abort_gen` / `regroup_gen` when the controller decides on a new quorum.
-Setting a flag also wakes whatever the training thread is waiting on, which is how a survivor blocked in
-an all-reduce with a dead peer gets out in milliseconds instead of at the gloo timeout.
+the control actor's thread sets `latest`, `abort_gen` and `regroup_gen` when the controller announces a new
+generation. Setting a flag also wakes whatever the training thread is waiting on, which is how a survivor blocked
+in an all-reduce with a dead peer gets out in milliseconds instead of at the gloo timeout, and how a worker waiting
+for its next generation learns of it without asking the store.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ class Flags:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._announced = threading.Condition(self._lock)
+        self.latest = -1
+        """The newest generation the controller announced to this proc (its plan is in the store)."""
         self.abort_gen = -1
         self.regroup_gen = -1
         self.stop = False
@@ -44,9 +48,15 @@ class Flags:
         if step is not None:
             self.step = step
 
+    def plan(self, gen: int) -> None:
+        """Generation `gen` is announced, and this proc is in it or was in the one it replaces."""
+        with self._lock:
+            self._note(gen)
+
     def abort(self, gen: int) -> None:
         """Generation `gen` replaces the current one: drop the step in flight."""
         with self._lock:
+            self._note(gen)
             self.abort_gen = max(self.abort_gen, gen)
             if self._waiter is not None:
                 self._waiter.set()
@@ -54,13 +64,24 @@ class Flags:
     def regroup(self, gen: int) -> None:
         """Generation `gen` (a grow) is waiting: move to it at the next step boundary."""
         with self._lock:
+            self._note(gen)
             self.regroup_gen = max(self.regroup_gen, gen)
 
     def request_stop(self) -> None:
         with self._lock:
             self.stop = True
+            self._announced.notify_all()
             if self._waiter is not None:
                 self._waiter.set()
+
+    def wait_for_plan(self, after: int, timeout_s: float) -> bool:
+        """Block until a generation newer than `after` is announced (or a stop); False after `timeout_s`."""
+        with self._lock:
+            return self._announced.wait_for(lambda: self.latest > after or self.stop, timeout_s)
+
+    def _note(self, gen: int) -> None:
+        self.latest = max(self.latest, gen)
+        self._announced.notify_all()
 
     def install_waiter(self, event: threading.Event | None) -> None:
         with self._lock:

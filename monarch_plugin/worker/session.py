@@ -1,7 +1,7 @@
 """One worker's membership in the run: join a generation, heal, reduce within it, finish together.
 
 A generation is the controller's decision of who trains together: a numbered plan in the store
-(`plan/<g>`, announced by bumping `latest`). The session forms a fresh cross-replica group for each
+(`plan/<g>`, then `latest`), announced to the procs concerned through their control actors. The session forms a fresh cross-replica group for each
 generation it joins, catches up from a donor if it is behind, and leaves it when the controller aborts it
 (a death: drop the step in flight) or when every member agrees, inside a committed step, that a grow is
 waiting (so all members move at the same step boundary).
@@ -31,13 +31,18 @@ from monarch_plugin.worker.collectives import (
     CollectiveTimedOut,
     GenerationChanged,
     abandon,
+    barrier,
     new_group,
     wait_all,
 )
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider, plan_heal, transfer_state
 
-__all__ = ["ReplicaSession", "StopReplica", "FORMATION_BOUND_S"]
+__all__ = ["ReplicaSession", "StopReplica", "FORMATION_BOUND_S", "PLAN_CHECK_S"]
+
+PLAN_CHECK_S = 1.0
+"""How long a worker waiting for its next generation waits for the controller's push before it reads the newest
+plan from the store itself: one request a second per waiting proc, whatever the number of replicas."""
 
 FORMATION_BOUND_S = 10.0
 """Forming a generation's group among members that all passed its arrival barrier, and exchanging their
@@ -151,21 +156,22 @@ class ReplicaSession:
             raise (StopReplica if pick["stop"] == StopReplica.__name__ else TimeoutError)(pick["reason"])
         return Plan.loads(raw)
 
-    def _latest(self) -> int:
-        return int(self.ctx.store.get(Key.LATEST))
-
     def _next_plan(self, after: int) -> Plan:
         """The newest plan that includes this worker, newer than its generation and than `after` (a plan
-        it already failed to form: retrying that one could only fail again)."""
+        it already failed to form: retrying that one could only fail again).
+
+        The controller pushes each new generation's number to its members and to the members of the one it
+        replaces (`ControlActor.plan`, `abort`, `regroup`), so a waiting worker learns of it as a message, not by
+        asking the store every few milliseconds. It asks the store once every `PLAN_CHECK_S` all the same, for a
+        push that could not be delivered and for a spare, which is pushed nothing until a plan includes it."""
         store = self.ctx.store
         rid = self.ctx.replica_id
-        started = time.monotonic()
-        deadline = started + self.ctx.config.join_timeout_s
+        deadline = time.monotonic() + self.ctx.config.join_timeout_s
         seen = max(self.gen, after)
         while True:
             if self.flags.stop:
                 raise StopReplica("the controller stopped this replica")
-            latest = self._latest()
+            latest = self.flags.latest
             if latest > seen:
                 plan = Plan.loads(store.get(Key.plan(latest)))
                 if rid in plan.members:
@@ -178,9 +184,8 @@ class ReplicaSession:
                     f"replica {rid} waited {self.ctx.config.join_timeout_s:.0f}s for the controller's next "
                     "generation after its own was aborted: is the controller still running?"
                 )
-            # A survivor waits milliseconds for its next generation; a hot spare may wait for hours and
-            # should not spend the CPU the training replicas need polling for it.
-            time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
+            if not self.flags.wait_for_plan(seen, PLAN_CHECK_S):
+                self.flags.plan(int(store.get(Key.LATEST)))
 
     def _form(self, plan: Plan, step: int) -> None:
         g, members = plan.gen, plan.members
@@ -191,7 +196,7 @@ class ReplicaSession:
         t0 = time.time()
         self.pg = new_group(
             self.ctx.store, Key.group(g, self.ctx.local_rank), rank, world, self.backend, self.timeout_s,
-            superseded=lambda: self.flags.stop or self._latest() > g,
+            superseded=lambda: self.flags.stop or self.flags.latest > g,
             fault_point=lambda where: self.ctx.fault_point(where, step), construct_bound_s=FORMATION_BOUND_S,
             address=self.ctx.bind_address,
         )
@@ -204,7 +209,7 @@ class ReplicaSession:
         )
 
     def _superseded(self) -> bool:
-        return self.flags.stop or self._latest() > self.gen
+        return self.flags.stop or self.flags.latest > self.gen
 
     def _catch_up(self, step: int) -> None:
         if self.pg is None:
@@ -310,19 +315,15 @@ class ReplicaSession:
         if self.world == 1:
             self.flags.finished_gen = self.gen
             return True
-        key = Key.finished(self.gen, self.ctx.local_rank)
-        store = self.ctx.store
-        store.add(key, 1)
         self.flags.set_phase(Phase.FINISH)
-        deadline = time.monotonic() + self.ctx.config.join_timeout_s
         aborted = False
-        while store.add(key, 0) < self.world:
-            if self.flags.abort_gen > self.gen or self.flags.stop:
-                aborted = True
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("replicas did not all reach the end of training together")
-            time.sleep(0.005)
+        try:
+            barrier(self.ctx.store, Key.finished(self.gen, self.ctx.local_rank), self.world,
+                    self.ctx.config.join_timeout_s, lambda: self.flags.abort_gen > self.gen or self.flags.stop)
+        except GenerationChanged:
+            aborted = True
+        except CollectiveTimedOut:
+            raise TimeoutError("replicas did not all reach the end of training together") from None
         if self._vote(failed=aborted, gen=self.gen)[0]:
             self._broken = True
             return False

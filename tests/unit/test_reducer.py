@@ -123,6 +123,79 @@ def test_group_construction_is_abandoned_when_a_newer_generation_comes():
     assert time.monotonic() - t0 < 5
 
 
+def test_a_barrier_blocks_on_its_decision_and_every_outcome_reaches_every_member():
+    """Members wait on the barrier's decision in the store, not by polling it: the last arrival releases them
+    within milliseconds, the controller's `supersede` gets them out of one a member never reaches, and a timeout
+    is one decision all of them see."""
+    import threading
+    import time
+
+    from monarch_plugin.worker.collectives import CollectiveTimedOut, GenerationChanged, barrier, supersede
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def members(prefix: str, n: int, timeout_s: float = 30.0) -> tuple[list, list[threading.Thread]]:
+        """`n` members, each with its own client, as each proc has: a client serves one request at a time."""
+        outcomes = []
+
+        def member():
+            own = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+            try:
+                barrier(own, prefix, 3, timeout_s, superseded=lambda: False)
+                outcomes.append(("go", time.monotonic()))
+            except (GenerationChanged, CollectiveTimedOut) as e:
+                outcomes.append((type(e).__name__, time.monotonic()))
+
+        threads = [threading.Thread(target=member) for _ in range(n)]
+        for t in threads:
+            t.start()
+        return outcomes, threads
+
+    outcomes, threads = members("all", 2)
+    time.sleep(0.5)
+    assert not outcomes  # two of three arrived: both wait
+    last = time.monotonic()
+    barrier(store, "all", 3, 30.0, superseded=lambda: False)
+    for t in threads:
+        t.join(5)
+    assert [o for o, _ in outcomes] == ["go", "go"] and max(t for _, t in outcomes) - last < 0.5
+
+    outcomes, threads = members("replaced", 2)
+    time.sleep(0.3)
+    superseded_at = time.monotonic()
+    supersede(store, "replaced")  # the third member died: the controller's next plan supersedes the formation
+    for t in threads:
+        t.join(5)
+    assert [o for o, _ in outcomes] == ["GenerationChanged"] * 2 and max(t for _, t in outcomes) - superseded_at < 0.5
+    with pytest.raises(GenerationChanged):  # a late arrival leaves on arriving
+        barrier(store, "replaced", 3, 30.0, superseded=lambda: False)
+
+    outcomes, threads = members("short", 2, timeout_s=0.5)
+    for t in threads:
+        t.join(5)
+    assert [o for o, _ in outcomes] == ["CollectiveTimedOut"] * 2
+    with pytest.raises(CollectiveTimedOut):  # decided once: the member who comes last does not go on alone
+        barrier(store, "short", 3, 30.0, superseded=lambda: False)
+
+
+def test_a_waiting_worker_learns_of_its_next_generation_from_the_push():
+    import threading
+    import time
+
+    from monarch_plugin.worker.context import Flags
+
+    flags = Flags()
+    assert not flags.wait_for_plan(-1, 0.1)
+    pushed = []
+    threading.Timer(0.3, lambda: (pushed.append(time.monotonic()), flags.abort(2))).start()
+    assert flags.wait_for_plan(-1, 10.0) and time.monotonic() - pushed[0] < 0.1
+    assert (flags.latest, flags.abort_gen, flags.regroup_gen) == (2, 2, -1)
+    flags.plan(1)  # an older generation's push, arriving late, changes nothing
+    assert flags.latest == 2 and not flags.wait_for_plan(2, 0.1)
+    threading.Timer(0.2, flags.request_stop).start()
+    assert flags.wait_for_plan(2, 10.0) and flags.stop
+
+
 def test_an_abandoned_group_with_a_reduction_in_flight_costs_nothing_to_let_go():
     """Destroying a gloo group waits for what it queued, and a step interrupted mid-reduction leaves an operation
     that ends only at the group's timeout (20 s here): freed by a garbage collection mid-step, that wait froze a
