@@ -66,6 +66,12 @@ class ElasticConfig:
     no model build on the critical path). Each holds its memory but little CPU; a new spare is spawned
     to replace the one used."""
 
+    heal_donors: int = 2
+    """Most healthy replicas that serve one heal (a newcomer, or a member that dropped a committed step) at once,
+    each a disjoint share of the state over a connection of its own: one stream is bound by the kernel's copies,
+    and two moved a 100M model's 1.2 GB in 0.73-0.89x one's time on a 2-core machine, at the two-stream limit in
+    one invocation of two (docs/benchmarks.md). 1: one donor serves all of it."""
+
     forkserver: bool | None = None
     """Start the replica processes on this machine by forking a server that has imported torch and the training
     code's framework (Lightning, transformers, torchtitan) once, instead of as fresh interpreters that each import
@@ -187,7 +193,7 @@ class ElasticConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the field and the fix; runs before any spawn."""
         self._check_types()
-        for name in ("replicas", "min_replicas", "max_replicas", "procs_per_replica"):
+        for name in ("replicas", "min_replicas", "max_replicas", "procs_per_replica", "heal_donors"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"`{name}` must be a positive integer, got {value!r}: set it to 1 or more", name)

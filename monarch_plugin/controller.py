@@ -615,7 +615,8 @@ class ElasticController:
         # Formations of the generation this one replaces end now: their waiting members block on the store.
         for lane in range(self.config.procs_per_replica if g > 0 else 0):
             supersede(self.store, Key.group(g - 1, lane))
-            supersede(self.store, Key.heal_group(g - 1, lane))
+            for share in range(self.config.heal_donors):
+                supersede(self.store, Key.heal_group(g - 1, lane, share))
             if interrupt:  # a grow leaves members that reached the end to finish where they are
                 supersede(self.store, Key.finished(g - 1, lane))
         # Each proc concerned is told as a message: a waiting one then reads the plan, never polls for it.

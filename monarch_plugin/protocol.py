@@ -159,8 +159,9 @@ class Key:
         return f"pg/{gen}/{lane}"
 
     @staticmethod
-    def heal_group(gen: int, lane: int) -> str:
-        return f"heal/{gen}/{lane}"
+    def heal_group(gen: int, lane: int, share: int) -> str:
+        """The group over which one donor serves its share of a heal (`heal.shares`) to the generation's receivers."""
+        return f"heal/{gen}/{lane}/{share}"
 
     @staticmethod
     def replica_group(replica: int) -> str:

@@ -111,8 +111,12 @@ def recoveries(events: list[dict]) -> list[Recovery]:
             ready = next((e for e in events if e["event"] == "ready" and e["replica"] == new), None)
             rec.ready_at = ready["ts"] if ready else None
             heal = next((e for e in events if e["event"] == "heal" and new in e["recipients"]), None)
-            if heal:
-                rec.healed_at, rec.heal_seconds, rec.heal_bytes = heal["ts"], heal["seconds"], heal["bytes"]
+            if heal:  # one event per share and per lane: the heal is done when the last is
+                parts = [e for e in events if e["event"] == "heal" and e["gen"] == heal["gen"]
+                         and new in e["recipients"]]
+                rec.healed_at = max(e["ts"] for e in parts)
+                rec.heal_seconds = max(e["seconds"] for e in parts)
+                rec.heal_bytes = sum(e["bytes"] for e in parts)
             first = next((e for e in events if e["event"] == "first_commit" and e["replica"] == new), None)
             if first:
                 rec.participating_at, rec.participating_step = first["ts"], first["step"]

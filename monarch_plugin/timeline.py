@@ -104,8 +104,9 @@ def _marks(events: list[dict], t0: float, found: list[Recovery]) -> list[Mark]:
                                        f"on replica {e.get('replica')})"))
         elif kind == "heal" and (kind, e["gen"], tuple(e["recipients"])) not in seen:
             seen.add((kind, e["gen"], tuple(e["recipients"])))
-            marks.append(Mark(t, kind, f"replica(s) {e['recipients']} healed from replica {e.get('donor')} at step "
-                                       f"{e['step']}: {e['bytes'] / 1e6:.1f} MB in {e['seconds'] * 1000:.0f} ms"))
+            donors = e.get("donors") or [e.get("donor")]
+            marks.append(Mark(t, kind, f"replica(s) {e['recipients']} healed from replica(s) "
+                                       f"{', '.join(map(str, donors))} at step {e['step']}"))
         elif kind == "host_lost":
             marks.append(Mark(t, kind, f"host {host_name(e['host'])} lost, with replica(s) {e.get('replicas')}: "
                                        f"{e.get('reason')}"))

@@ -5,12 +5,17 @@ The donor serves its state from the training thread itself, at a step boundary, 
 that an optimizer step or an FSDP forward is mutating (torchtitan's torchft path crashed the donor that way).
 The state is split into a pickled skeleton and its tensors; the skeleton goes first so receivers can
 allocate, then one broadcast per tensor (measured fastest here: one flat buffer was 5-10x slower).
+Several healthy replicas at the newest step (up to `heal_donors`) serve one heal together: each sends a disjoint
+share of the tensors (`shares`: contiguous runs of about equal bytes, which donors and receivers compute alike from
+the tensors' sizes) over a group of its own, so the receivers take in that many streams at once. One stream is
+bound by the kernel's copies and the receiver's page faults, not the network (docs/benchmarks.md).
 A sharded tensor (FSDP's DTensor) travels as its local shard, from the donor proc holding the same shard;
 the receiver rebuilds it on its own device mesh, which the provider names (`device_mesh`).
 """
 
 from __future__ import annotations
 
+import bisect
 import pickle
 import time
 from dataclasses import dataclass
@@ -22,7 +27,7 @@ from monarch_plugin.worker.collectives import wait_all
 from monarch_plugin.worker.context import Flags
 from monarch_plugin.worker.dtensors import is_dtensor
 
-__all__ = ["StateProvider", "HealPlan", "Moved", "plan_heal", "heal_bound_s", "transfer_state"]
+__all__ = ["StateProvider", "HealPlan", "Moved", "plan_heal", "shares", "heal_bound_s", "transfer_state"]
 
 
 class StateProvider(Protocol):
@@ -53,27 +58,47 @@ class _ShardSlot(_TensorSlot):
 
 @dataclass(frozen=True)
 class HealPlan:
-    donor: int
+    donors: tuple[int, ...]
+    """The ranks serving the heal, one share of the state each (`shares`); the first also sends the skeleton."""
     recipients: tuple[int, ...]
     step: int
 
 
-def plan_heal(steps: list[int], fresh: list[bool]) -> HealPlan | None:
-    """Pick the donor and receivers from every member's committed step and whether it holds state at all.
+def plan_heal(steps: list[int], fresh: list[bool], max_donors: int = 1) -> HealPlan | None:
+    """Pick the donors and receivers from every member's committed step and whether it holds state at all.
 
-    Donor: the lowest rank holding state at the highest committed step. Receivers: everyone fresh or
-    behind. On the very first generation nobody holds state, so rank 0 seeds the others (as DDP's
-    initial broadcast does).
+    Donors: the lowest ranks holding state at the highest committed step, at most `max_donors` of them (healthy
+    replicas at one committed step hold the same state: DDP's invariant, which the runtime's checks of identical
+    replicas test). Receivers: everyone fresh or behind. On the very first generation nobody holds state, so
+    rank 0 alone seeds the others (as DDP's initial broadcast does).
     """
     holders = [r for r, f in enumerate(fresh) if not f]
     if not holders:
         if len(steps) == 1:
             return None
-        return HealPlan(donor=0, recipients=tuple(range(1, len(steps))), step=steps[0])
+        return HealPlan(donors=(0,), recipients=tuple(range(1, len(steps))), step=steps[0])
     top = max(steps[r] for r in holders)
-    donor = min(r for r in holders if steps[r] == top)
+    donors = tuple(r for r in holders if steps[r] == top)[:max_donors]
     recipients = tuple(r for r in range(len(steps)) if fresh[r] or steps[r] != top)
-    return HealPlan(donor, recipients, top) if recipients else None
+    return HealPlan(donors, recipients, top) if recipients else None
+
+
+def shares(sizes: list[int], count: int) -> list[range]:
+    """Split tensors `0 .. len(sizes)-1` (`sizes` in bytes) into `count` contiguous runs of about equal bytes, one
+    per donor. A pure function of the sizes, so every donor and receiver computes the same split without
+    exchanging it; a tensor is never cut, so a share may be empty (one tensor larger than the rest together)."""
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    total, bounds = prefix[-1], [0]
+    for j in range(1, count):
+        target = total * j / count
+        b = bisect.bisect_left(prefix, target)
+        if b > 0 and target - prefix[b - 1] <= prefix[b] - target:
+            b -= 1  # the nearer boundary
+        bounds.append(max(b, bounds[-1]))
+    bounds.append(len(sizes))
+    return [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -136,8 +161,9 @@ class Moved:
 
 
 def transfer_state(
-    pg,
-    rank: int,
+    groups: list,
+    share: int | None,
+    count: int,
     provider: StateProvider | None,
     device: torch.device,
     flags: Flags,
@@ -145,46 +171,54 @@ def transfer_state(
     bytes_per_s: float | None = None,
     fault_point: Callable[[str], None] | None = None,
 ) -> tuple[dict | None, Moved]:
-    """Broadcast rank 0's state to every other rank of `pg`; returns (state on receivers, what moved).
+    """Move the donors' state to the receivers; returns (state on receivers, what this proc moved).
 
-    `pg` holds only the donor (rank 0) and the receivers, so healthy peers are not made to wait on it.
-    The donor sends a header first (skeleton size and the bound it computed from the payload size and
-    its measured rate, `heal_bound_s`); every wait after it uses that bound, and raises
-    CollectiveTimedOut past it. `fault_point("heal_donor" | "heal_recipient")` fires between header and tensors.
+    Each group holds one donor (its rank 0) and the receivers, so healthy peers are not made to wait on it. A donor
+    (`share`: its index among the `count` donors) passes its one group and sends its share (`shares`); a receiver
+    (`share` None) passes one group per donor, in the plan's order, and takes in every share at once. The first
+    donor sends a header first (skeleton size and the bound it computed from the payload size and its measured
+    rate, `heal_bound_s`), then the skeleton; every wait after it uses that bound, and raises CollectiveTimedOut
+    past it. `fault_point("heal_donor" | "heal_recipient")` fires between header and tensors.
     """
     tensors: list[torch.Tensor] = []
+    first = groups[0]
 
     def bcast(t: torch.Tensor, bound_s: float) -> torch.Tensor:
         wire = t.to(device)
-        wait_all([pg.broadcast(wire, 0)], flags, gen, bound_s)
+        wait_all([first.broadcast(wire, 0)], flags, gen, bound_s)
         return wire.cpu()
 
-    if rank == 0:
-        skeleton = pickle.dumps(_split(provider.state_dict(), tensors))
-        payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        bound_s = heal_bound_s(payload_bytes + len(skeleton), bytes_per_s)
-        header = bcast(torch.tensor([len(skeleton), int(bound_s * 1000)], dtype=torch.int64), HEAL_FLOOR_S)
-        bcast(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), bound_s)
+    skeleton_bytes = 0
+    if share is not None:
+        skeleton_obj = _split(provider.state_dict(), tensors)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        bound_s = heal_bound_s(sum(sizes), bytes_per_s)
+        if share == 0:
+            skeleton = pickle.dumps(skeleton_obj)
+            skeleton_bytes = len(skeleton)
+            bcast(torch.tensor([skeleton_bytes, int(bound_s * 1000)], dtype=torch.int64), HEAL_FLOOR_S)
+            bcast(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), bound_s)
     else:
         header = bcast(torch.zeros(2, dtype=torch.int64), HEAL_FLOOR_S)
-        bound_s = int(header[1]) / 1000
-        skeleton_obj = pickle.loads(bcast(torch.empty(int(header[0]), dtype=torch.uint8), bound_s).numpy().tobytes())
+        skeleton_bytes, bound_s = int(header[0]), int(header[1]) / 1000
+        skeleton_obj = pickle.loads(bcast(torch.empty(skeleton_bytes, dtype=torch.uint8), bound_s).numpy().tobytes())
     if fault_point is not None:
-        fault_point("heal_donor" if rank == 0 else "heal_recipient")
+        fault_point("heal_donor" if share is not None else "heal_recipient")
 
     t0 = time.monotonic()
-    if rank == 0:
-        payload = [t.detach().to(device).contiguous() for t in tensors]
+    if share is not None:
+        payload = [tensors[i].detach().to(device).contiguous() for i in shares(sizes, count)[share]]
+        works = [first.broadcast(t, 0) for t in payload if t.numel()]  # uneven shards can be empty
     else:
         slots: list[_TensorSlot] = []
         _collect_slots(skeleton_obj, slots)
         slots.sort(key=lambda s: s.index)
         payload = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in slots]
-    works = [pg.broadcast(t, 0) for t in payload if t.numel()]  # uneven shards can be empty
+        runs = shares([t.numel() * t.element_size() for t in payload], len(groups))
+        works = [groups[j].broadcast(payload[i], 0) for j, run in enumerate(runs) for i in run if payload[i].numel()]
     wait_all(works, flags, gen, bound_s)
-    moved = Moved(sum(t.numel() * t.element_size() for t in payload) + int(header[0]), time.monotonic() - t0,
-                  bound_s)
-    if rank == 0:
+    moved = Moved(sum(t.numel() * t.element_size() for t in payload) + skeleton_bytes, time.monotonic() - t0, bound_s)
+    if share is not None:
         return None, moved
     return _join(skeleton_obj, payload, getattr(provider, "device_mesh", None)), moved
 

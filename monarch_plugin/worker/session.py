@@ -220,40 +220,46 @@ class ReplicaSession:
         wait_all([self.pg.allgather([everyone], [mine])], self.flags, self.gen, FORMATION_BOUND_S)
         steps = [int(t[0]) for t in everyone]
         fresh = [bool(t[1]) for t in everyone]
-        plan = plan_heal(steps, fresh)
-        if plan is None or self.rank not in (plan.donor, *plan.recipients):
+        plan = plan_heal(steps, fresh, self.ctx.config.heal_donors)
+        if plan is None or self.rank not in (*plan.donors, *plan.recipients):
             self.fresh = False
             return
-        order = [plan.donor, *plan.recipients]
+        share = plan.donors.index(self.rank) if self.rank in plan.donors else None
         recipients = [self.members[r] for r in plan.recipients]
+        donors = [self.members[d] for d in plan.donors]
         t0 = time.time()
-        sub = new_group(
-            self.ctx.store, Key.heal_group(self.gen, self.ctx.local_rank), order.index(self.rank), len(order),
-            self.backend, self.timeout_s, superseded=self._superseded, address=self.ctx.bind_address,
-        )
+        groups = []  # a donor forms its share's group; a recipient forms every share's, in the plan's order
         try:
+            for j in range(len(plan.donors)) if share is None else (share,):
+                order = [plan.donors[j], *plan.recipients]
+                groups.append(new_group(
+                    self.ctx.store, Key.heal_group(self.gen, self.ctx.local_rank, j), order.index(self.rank),
+                    len(order), self.backend, self.timeout_s, superseded=self._superseded,
+                    address=self.ctx.bind_address,
+                ))
             state, moved = transfer_state(
-                sub, order.index(self.rank), self.provider, self.device, self.flags, self.gen,
+                groups, share, len(plan.donors), self.provider, self.device, self.flags, self.gen,
                 bytes_per_s=self._heal_rate,
                 fault_point=lambda where: self.ctx.fault_point(where, step),
             )
         except CollectiveTimedOut as e:
             # Past its bound: never waited for. The controller treats the recipients as hung.
             self.ctx.store.set(Key.stalled_heal(self.gen), json.dumps(recipients))
-            self.ctx.events.emit("heal_abandoned", gen=self.gen, donor=self.members[plan.donor],
+            self.ctx.events.emit("heal_abandoned", gen=self.gen, donor=donors[0], donors=donors,
                                  recipients=recipients, reason=str(e))
             raise
         finally:
-            abandon(sub)
+            for group in groups:
+                abandon(group)
         if state is not None:
             self.provider.load_state_dict(state)
         self.fresh = False
         self._heal_rate = moved.bytes / max(moved.seconds, 1e-6)
-        if self.rank == plan.donor:
+        if share is not None:  # one event per share: a heal's bytes are their sum, its time the longest
             self.ctx.events.emit(
-                "heal", gen=self.gen, donor=self.members[plan.donor], recipients=recipients, step=plan.step,
-                bytes=moved.bytes, seconds=round(time.time() - t0, 4), transfer_s=round(moved.seconds, 4),
-                bound_s=round(moved.bound_s, 1),
+                "heal", gen=self.gen, donor=donors[share], donors=donors, share=share, recipients=recipients,
+                step=plan.step, bytes=moved.bytes, seconds=round(time.time() - t0, 4),
+                transfer_s=round(moved.seconds, 4), bound_s=round(moved.bound_s, 1),
             )
 
     # -- steps ---------------------------------------------------------------------------------------

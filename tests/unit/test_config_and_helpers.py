@@ -19,7 +19,7 @@ from monarch_plugin.devices import plan_gpus
 from monarch_plugin.errors import BackendUnavailableError
 from monarch_plugin.sampler import share, shard_bounds, weight
 from monarch_plugin.faults import parse_faults
-from monarch_plugin.worker.heal import ASSUMED_BYTES_PER_S, HEAL_FLOOR_S, heal_bound_s, plan_heal
+from monarch_plugin.worker.heal import ASSUMED_BYTES_PER_S, HEAL_FLOOR_S, heal_bound_s, plan_heal, shares
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,14 +195,27 @@ def test_sampler_state_moves_the_cursor():
         ElasticSampler(49).load_state_dict(a.state_dict())
 
 
-def test_heal_plan_picks_a_donor_at_the_newest_step():
+def test_heal_plan_picks_donors_at_the_newest_step():
     assert plan_heal([5, 5], [False, False]) is None
     plan = plan_heal([5, 5, -1], [False, False, True])
-    assert (plan.donor, plan.recipients, plan.step) == (0, (2,), 5)
-    plan = plan_heal([4, 5, 5], [False, False, False])  # a survivor dropped the step its peers committed
-    assert (plan.donor, plan.recipients) == (1, (0,))
-    plan = plan_heal([0, 0, 0], [True, True, True])  # first generation: rank 0 seeds everyone
-    assert (plan.donor, plan.recipients) == (0, (1, 2))
+    assert (plan.donors, plan.recipients, plan.step) == ((0,), (2,), 5)
+    assert plan_heal([5, 5, -1], [False, False, True], max_donors=2).donors == (0, 1)  # both serve a share
+    plan = plan_heal([4, 5, 5, 5], [False, False, False, True], max_donors=2)  # a survivor dropped a step
+    assert (plan.donors, plan.recipients) == ((1, 2), (0, 3))  # never one that is behind
+    plan = plan_heal([0, 0, 0], [True, True, True], max_donors=2)  # first generation: rank 0 alone seeds
+    assert (plan.donors, plan.recipients) == ((0,), (1, 2))
+
+
+def test_shares_split_the_tensors_by_bytes_without_cutting_one():
+    assert shares([10, 10, 10, 10], 1) == [range(0, 4)]
+    assert shares([10, 10, 10, 10], 2) == [range(0, 2), range(2, 4)]
+    assert shares([40, 1, 1, 1, 37], 2) == [range(0, 1), range(1, 5)]  # the nearer boundary: 40 / 40
+    assert shares([100, 1], 3) == [range(0, 0), range(0, 1), range(1, 2)]  # one tensor outweighs the rest: empty
+    sizes = [4096 * 1024 * 4, 4096 * 4, 1024 * 4096 * 4, 1024 * 4, 8] * 3  # an MLP's weights and Adam's moments
+    split = shares(sizes, 2)
+    assert [i for run in split for i in run] == list(range(len(sizes)))  # every tensor once, in order
+    halves = [sum(sizes[i] for i in run) for run in split]
+    assert abs(halves[0] - halves[1]) <= max(sizes)
 
 
 @pytest.mark.parametrize(
@@ -281,7 +294,8 @@ _WRITER_DEATH = """
 """
 
 # The same job with the survivor waiting for the regrow (`--probe.shrunk_steps 2`): replica 2 joins generation 2,
-# is healed shard by shard from replica 1, and both procs of each replica commit step 6 in it.
+# is healed shard by shard from replica 1 (both shards at once: the heal is their sum), and both procs of each
+# replica commit step 6 in it.
 _WRITER_DEATH_REGROWN = """
 {"ts": 31.552, "event": "spawn", "replica": 0, "initial": true, "seconds": 17.142}
 {"ts": 31.797, "event": "spawn", "replica": 1, "initial": true, "seconds": 17.384}
@@ -318,7 +332,7 @@ def test_recovery_report_of_a_writer_death_names_the_replacement_whether_or_not_
     [rec] = recoveries([json.loads(line) for line in _WRITER_DEATH_REGROWN.splitlines() if line])
     assert (rec.replacement, rec.replacement_joined, rec.participating_step) == (2, True, 6)
     assert format_recovery(rec).splitlines()[-1] == (
-        "  replacement replica 2: spawned in 8261 ms, healed from a live peer in 285 ms (39.4 MB), training at step 6 "
+        "  replacement replica 2: spawned in 8261 ms, healed from a live peer in 341 ms (78.7 MB), training at step 6 "
         "20473 ms after spawn began")
 
 

@@ -36,7 +36,7 @@ def test_a_plan_round_trips_through_the_store_text():
 def test_keys_are_distinct_per_generation_replica_and_lane():
     keys = [Key.LATEST, Key.plan(1), Key.ready(1), Key.formed(1), Key.stalled(1), Key.stalled_heal(1),
             Key.pick(1, 1), Key.finished(1, 0), Key.finished(1, 1), Key.group(1, 0), Key.group(1, 1),
-            Key.heal_group(1, 0), Key.replica_group(1), Key.plan(2)]
+            Key.heal_group(1, 0, 0), Key.heal_group(1, 0, 1), Key.heal_group(1, 1, 0), Key.replica_group(1), Key.plan(2)]
     assert len(set(keys)) == len(keys)
 
 

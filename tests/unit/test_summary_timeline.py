@@ -149,7 +149,7 @@ def test_the_page_is_self_contained(page):
 def test_the_page_marks_the_death_drop_heal_and_each_phase_of_the_recovery(page):
     tips = re.findall(r'data-tip="([^"]*)"', page)
     for text in ("replica 1 died on this machine: noticed by pidfd", "step 8 dropped in generation 0",
-                 "healed from replica 0", "replica 3 training from step 63"):
+                 "healed from replica(s) 0", "replica 3 training from step 63"):
         assert any(text in tip for tip in tips), text
     for phase in ("noticed", "shrunk", "spawn began", "spawned", "healed", "training"):
         assert any(tip.startswith(f"{phase} at t=") for tip in tips), phase
