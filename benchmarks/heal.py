@@ -1,9 +1,10 @@
 """The live heal against what this machine can move: the same bytes by memcpy and over a loopback socket.
 
 For each model size (benchmarks/workload.py's MLP with Adam: weights, exp_avg and exp_avg_sq), in one invocation:
-  heal          monarch-run, 2 replicas; replica 1 SIGKILLed; its replacement healed from the survivor. Read from
-                the donor's `heal` event: `transfer_s` (the tensors, one gloo broadcast each) and `seconds` (the
-                whole heal: its process group, the pickled skeleton, the tensors)
+  heal          monarch-run, D + 1 replicas for each D of `--donors` (`--heal-donors D`); replica 1 SIGKILLed; its
+                replacement healed from the D survivors, one share of the state each, at once. Read from the donors'
+                `heal` events (one per share): `transfer_s` (the tensors, one gloo broadcast each) and `seconds` (the
+                whole heal: its process groups, the pickled skeleton, the tensors), the slowest share's
   memcpy        the same tensors copied in this process, one thread, tensor by tensor: into buffers already
                 touched (the memory bandwidth; best of 3), and into fresh ones (what a receiver pays: allocation
                 and first-touch page faults; best of 2)
@@ -12,10 +13,12 @@ For each model size (benchmarks/workload.py's MLP with Adam: weights, exp_avg an
                 (`sendall` / `recv_into`, no serialisation, 4 MB socket buffers): into fresh buffers, then again
                 into the same ones, touched; the kernel's copy in and out
 
-    python benchmarks/heal.py --sizes 10m 100m 300m --out benchmarks/results
+    python benchmarks/heal.py --sizes 10m 100m 300m --donors 1 --out benchmarks/results
+    python benchmarks/heal.py --sizes 10m 100m --donors 1 2 --out benchmarks/results/heal-donors
 
 300m needs about 5 GB per replica (weights, gradients, Adam) and three of them at once (the survivor, the dead
-replica's memory not yet returned, the replacement). Writes <out>/heal.json and prints a markdown table.
+replica's memory not yet returned, the replacement); with two donors, four (too many for 24 GB).
+Writes <out>/heal.json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -149,13 +152,20 @@ def loopback_socket(tensors: list[torch.Tensor], streams: int) -> dict:
     return {"fresh_s": seconds[0], "warm_s": seconds[1]}
 
 
-def heal(work: Path, size: str) -> dict:
+def heal(work: Path, size: str, donors: int) -> dict:
+    """`donors` + 1 replicas, replica 1 killed: its replacement is healed by the `donors` survivors, one share each.
+    The heal's bytes are its shares' sum; its times, the slowest share's (they run at once)."""
     plan = PLAN[size]
-    run = run_elastic(work, size, replicas=2, steps=plan["steps"], kill_at=plan["kill_at"], min_replicas=1)
-    events = read_events(str(work / f"elastic-{size}-spares0" / "events.jsonl"))
+    run = run_elastic(work, size, replicas=donors + 1, steps=plan["steps"], kill_at=plan["kill_at"], min_replicas=1,
+                      heal_donors=donors)
+    events = read_events(str(Path(run["out"]) / "events.jsonl"))
     death = next(e for e in events if e["event"] == "death")
-    event = next(e for e in events if e["event"] == "heal" and e["ts"] > death["ts"])
-    return {"bytes": event["bytes"], "seconds": event["seconds"], "transfer_s": event["transfer_s"],
+    gen = next(e for e in events if e["event"] == "heal" and e["ts"] > death["ts"])["gen"]
+    shares = [e for e in events if e["event"] == "heal" and e["gen"] == gen]
+    if len(shares) != donors:
+        raise RuntimeError(f"the heal had {len(shares)} share(s), not {donors}; see {run['out']}")
+    return {"donors": donors, "bytes": sum(e["bytes"] for e in shares),
+            "seconds": max(e["seconds"] for e in shares), "transfer_s": max(e["transfer_s"] for e in shares),
             "step_s": run["step_s"]}
 
 
@@ -163,6 +173,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", choices=tuple(PLAN), default=list(PLAN))
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--donors", type=int, nargs="+", choices=(1, 2), default=[1, 2],
+                   help="a heal run for each: this many survivors serve the replacement, one share each")
     p.add_argument("--work", type=Path, default=Path("/tmp/monarch_plugin_heal"))
     args = p.parse_args()
     shutil.rmtree(args.work, ignore_errors=True)
@@ -172,7 +184,7 @@ def main() -> None:
         row = {"bytes": nbytes(tensors), "tensors": len(tensors), "memcpy": memcpy(tensors),
                "socket": loopback_socket(tensors, 1), "socket2": loopback_socket(tensors, 2)}
         del tensors
-        row["heal"] = heal(args.work, size)
+        row["heal"] = {str(n): heal(args.work, size, n) for n in args.donors}
         results[size] = row
         print(json.dumps({size: row}), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -195,10 +207,16 @@ def table(results: dict) -> str:
     row("loopback TCP socket, fresh destination", lambda r: rate(r["bytes"], r["socket"]["fresh_s"]))
     row("loopback TCP socket, warm destination", lambda r: rate(r["bytes"], r["socket"]["warm_s"]))
     row("2 loopback TCP sockets at once, fresh destination", lambda r: rate(r["bytes"], r["socket2"]["fresh_s"]))
-    row("**heal: the tensors (gloo broadcast)**", lambda r: rate(r["heal"]["bytes"], r["heal"]["transfer_s"]))
-    row("heal: the whole heal (group, skeleton, tensors)", lambda r: rate(r["heal"]["bytes"], r["heal"]["seconds"]))
-    row("heal / socket (fresh)", lambda r: f"{r['heal']['transfer_s'] / r['socket']['fresh_s']:.2f}x")
-    row("heal / memcpy (fresh)", lambda r: f"{r['heal']['transfer_s'] / r['memcpy']['fresh_s']:.2f}x")
+    for n in next(iter(results.values()))["heal"]:
+        by = f"{n} donor{'s' if n != '1' else ''}"
+        row(f"**heal, {by}: the tensors (gloo broadcasts)**",
+            lambda r: rate(r["heal"][n]["bytes"], r["heal"][n]["transfer_s"]))
+        row(f"heal, {by}: the whole heal (groups, skeleton, tensors)",
+            lambda r: rate(r["heal"][n]["bytes"], r["heal"][n]["seconds"]))
+        streams = "socket" if n == "1" else "socket2"  # the socket copy over as many streams, where measured
+        row(f"heal, {by} / socket copy over {n} stream(s) (fresh)",
+            lambda r: f"{r['heal'][n]['transfer_s'] / r[streams]['fresh_s']:.2f}x")
+    row("heal / memcpy (fresh), 1 donor", lambda r: f"{r['heal']['1']['transfer_s'] / r['memcpy']['fresh_s']:.2f}x")
     return "\n".join(rows)
 
 

@@ -65,12 +65,15 @@ def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
 
 
 def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, spares: int = 0,
-                forkserver: bool = True, min_replicas: int = 2) -> dict:
-    out = work / f"elastic-{size}-spares{spares}{'' if forkserver else '-fresh'}"
+                forkserver: bool = True, min_replicas: int = 2, heal_donors: int | None = None) -> dict:
+    """`heal_donors`: `--heal-donors`; None, the runtime's default."""
+    donors = () if heal_donors is None else ("--heal-donors", str(heal_donors))
+    out = work / f"elastic-{size}-spares{spares}{'' if forkserver else '-fresh'}{''.join(donors)}"
     out.mkdir(parents=True)
     events_path = out / "events.jsonl"
     proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", str(min_replicas),
                              "--spares", str(spares), "--forkserver" if forkserver else "--no-forkserver",
+                             *donors,
                              "--events", str(events_path), str(WORKLOAD), "--mode", "elastic", "--size", size,
                              "--steps", str(steps), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
@@ -88,7 +91,7 @@ def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, 
     rec = recoveries(read_events(str(events_path)))[0]
     survivor = [(s, t - rec.killed_at) for s, t in _steps(out / "steps-0.txt")]
     newcomer = [(s, t - rec.killed_at) for s, t in _steps(out / f"steps-{rec.replacement}.txt")]
-    return {"step_s": _median_interval(before), **{k: v for k, v in rec.phases().items()},
+    return {"out": str(out), "step_s": _median_interval(before), **{k: v for k, v in rec.phases().items()},
             "series": {"survivor": survivor, "replacement": newcomer},
             "detected_by": rec.detected_by, "dropped_steps": rec.dropped_steps,
             "heal_mb": (rec.heal_bytes or 0) / 1e6, "replacement_joined_at_step": rec.participating_step}
