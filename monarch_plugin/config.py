@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import re
 import socket
@@ -189,6 +190,9 @@ class ElasticConfig:
                 none = " (or None)" if declared.endswith(" | None") else ""
                 raise ConfigError(f"`{f.name}` must be {spoken}{none}, got {value!r} ({type(value).__name__})",
                                   f.name)
+            if kind == "float" and not math.isfinite(value):  # every comparison with NaN is False: none would fail
+                raise ConfigError(f"`{f.name}` must be a finite number, got {value!r}: give it in seconds, e.g. "
+                                  f"{f.default!r} (its default)", f.name)
 
     def validate(self) -> None:
         """Raise ConfigError naming the field and the fix; runs before any spawn."""

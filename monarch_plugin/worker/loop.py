@@ -94,10 +94,14 @@ class ElasticLoop:
         self.step = 0
         self.ctx = _context.current()
         self.config = self.ctx.config if self.ctx else ElasticConfig(replicas=1)
-        if self.ctx and self.config.batch_policy == "constant_global" and global_batch_size < self.config.max_replicas:
+        lanes = self.ctx.procs_per_replica if self.ctx else 1
+        if self.ctx and global_batch_size < self.config.max_replicas * lanes:
+            # constant_local cuts it into max_replicas local batches first: the same bound.
             raise ValueError(
-                f"global_batch_size {global_batch_size} is smaller than max_replicas "
-                f"{self.config.max_replicas}: some replicas would get no samples; raise the batch size"
+                f"global_batch_size {global_batch_size} is smaller than max_replicas {self.config.max_replicas} x "
+                f"procs_per_replica {lanes}: some procs would get no samples and their gradients would be zero; "
+                f"raise global_batch_size to {self.config.max_replicas * lanes} or more, or run fewer replicas "
+                "(max_replicas) or procs per replica"
             )
         if self.config.scale_lr_with_replicas and scheduler is not None:
             raise ValueError(

@@ -56,6 +56,51 @@ def test_every_setting_of_the_wrong_type_is_refused_naming_it(name):
     assert raised.value.field == name
 
 
+_FLOATS = [f.name for f in dataclasses.fields(ElasticConfig) if f.type == "float"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", _FLOATS)
+def test_every_float_setting_refuses_nan_and_inf_naming_it(name, value):
+    with pytest.raises(ConfigError, match=rf"^`{name}` must be a finite number, got {value!r}: ") as raised:
+        ElasticConfig(**{name: value})
+    assert raised.value.field == name
+    assert len(_FLOATS) == 5  # a new float setting is covered here by its type, whatever its name
+
+
+def test_monarch_run_refuses_a_nan_timeout_naming_its_flag(capsys):
+    from monarch_plugin.cli import main
+
+    assert main(["--collective-timeout", "nan", "x.py"]) == 2
+    assert "--collective-timeout must be a finite number, got nan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("procs, batch, ok", [(1, 3, True), (2, 5, False), (2, 6, True)])
+def test_elastic_loop_refuses_a_global_batch_that_leaves_a_proc_without_samples(tmp_path, monkeypatch, procs, batch,
+                                                                                ok):
+    import torch
+
+    from monarch_plugin import ElasticLoop
+    from monarch_plugin.worker import context
+
+    config = ElasticConfig(replicas=3, procs_per_replica=procs, events_path=str(tmp_path / "ev.jsonl"))
+    monkeypatch.setattr(context, "_current", context.WorkerContext(
+        replica_id=0, local_rank=0, procs_per_replica=procs, initial=True, config=config, store_host="127.0.0.1",
+        store_port=1))
+    model = torch.nn.Linear(2, 1)
+
+    def loop():
+        return ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), dataset_size=64,
+                           global_batch_size=batch, max_steps=1)
+
+    if ok:
+        loop()
+        return
+    with pytest.raises(ValueError, match=r"global_batch_size 5 is smaller than max_replicas 3 x procs_per_replica 2: "
+                                         r".*raise global_batch_size to 6 or more"):
+        loop()
+
+
 def test_a_config_error_names_its_field_in_each_front_ends_spelling():
     with pytest.raises(ConfigError) as raised:
         ElasticConfig(replicas=2, min_replicas=3, max_replicas=2)
