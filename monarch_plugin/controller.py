@@ -11,7 +11,6 @@ stalled reduction gets its peers' phases checked, and the one stuck outside the 
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 import queue
@@ -27,7 +26,7 @@ from monarch_plugin import policies
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError
-from monarch_plugin.events import EventLog
+from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.hosts import Hosts
 from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
@@ -40,9 +39,10 @@ from monarch_plugin.protocol import (
     mesh_names,
     replica_of_mesh,
     spawned_by_controller,
+    unfit_members,
 )
 from monarch_plugin.target import Target
-from monarch_plugin.worker.checkpoint import newest
+from monarch_plugin.worker.checkpoint import newest, newest_written, step_of
 from monarch_plugin.worker.collectives import supersede
 from monarch_plugin.worker.session import FORMATION_BOUND_S
 
@@ -123,6 +123,9 @@ class _Replica:
     results: list[Any] | None = None
     admitted: bool = False
     mesh_stopped: bool = False
+    holds: bool = False
+    """It holds the run's trained state (`Plan.holders`): a member of the first generation, or every proc of it
+    counted in `Key.holds` since."""
 
 
 class ElasticController:
@@ -305,7 +308,10 @@ class ElasticController:
                 f"{self.config.min_replicas}, `join_timeout_s` {self.config.join_timeout_s:.0f}){why}"
             )
         if ready:
-            self._announce(ready[: self.config.max_replicas], reason="start", interrupt=False)
+            first = ready[: self.config.max_replicas]
+            for rid in first:  # each at the run's first step (or the checkpoint it resumed): the run's state
+                self.replicas[rid].holds = True
+            self._announce(first, reason="start", interrupt=False)
 
     # -- the supervision loop ------------------------------------------------------------------------------
 
@@ -316,6 +322,7 @@ class ElasticController:
                 return
             self._respawn_due()
             self._admit_ready()
+            self._check_starting()
             self._check_stalled()
             self._check_wedged()
             if self._training_over():
@@ -450,16 +457,18 @@ class ElasticController:
             what += f" on {', '.join(where)}"
         if lost_members:
             survivors = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
-            stop = policies.below_min(len(survivors), self.config)
+            members = policies.next_members(survivors, self._ready_waiting(), self.wanted)
+            # Who can train: the survivors and the ready replicas that heal from them.
+            stop = policies.below_min(len(members), self.config)
             if stop:
                 logger.warning("%s: the run stops (%s)", what, stop)
                 self._give_up(stop)
                 return
-            members = policies.next_members(survivors, self._ready_waiting(), self.wanted)
             who = f"replica {lost_members[0]}" if len(lost_members) == 1 else f"replicas {lost_members}"
-            self._announce(members, reason=f"{who} died", interrupt=True)
+            restoring = self._replan(members, f"{who} died", what)
             spares = [m for m in members if m not in survivors]
-            what += f": training goes on with replicas {members}" + (f" (hot spare {spares} admitted)" if spares else "")
+            what += restoring or (f": training goes on with replicas {members}"
+                                  + (f" (hot spare {spares} admitted)" if spares else ""))
         else:
             what += " before it trained"
         stop = policies.crash_loop(self.early_deaths, self.config)
@@ -514,20 +523,46 @@ class ElasticController:
         """Every proc of generation g's members formed its group (workers count `formed/<g>`)."""
         return self.store.add(Key.formed(g), 0) >= len(self.plans[g]) * self.config.procs_per_replica
 
-    def _statuses(self, replica: _Replica) -> list[dict] | None:
-        """What each proc of the replica is doing, from its control actor; None if it does not answer."""
-        try:
-            return list(replica.control.status.call().get(timeout=_PROBE_TIMEOUT_S).values())
-        except Exception:  # noqa: BLE001 - an unreachable control actor is itself the answer
-            return None
+    def _statuses(self, replicas: list[_Replica]) -> dict[int, list[dict] | None]:
+        """What each proc of each replica is doing, from its control actor (None: it did not answer). Every replica
+        is asked at once and waited for under one deadline: frozen members cost `_PROBE_TIMEOUT_S` together, not
+        each."""
+        asked = {}
+        for replica in replicas:
+            try:
+                asked[replica.rid] = replica.control.status.call()
+            except Exception:  # noqa: BLE001 - an unreachable control actor is itself the answer
+                asked[replica.rid] = None
+        deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        answers: dict[int, list[dict] | None] = {}
+        for rid, future in asked.items():
+            try:
+                answers[rid] = list(future.get(timeout=max(deadline - time.monotonic(), 0.01)).values())
+            except Exception:  # noqa: BLE001 - as above
+                answers[rid] = None
+        return answers
 
-    def _treat_as_hung(self, replica: _Replica, how: str, why: str, probed: dict | None = None) -> None:
-        """`why`: what the probe found in this replica; `probed`: what every member was doing then, so the events
-        show causally which member was suspected and why the others were not."""
-        self.events.emit("hang", replica=replica.rid, pids=replica.pids, gen=self.gen, detected_by=how, why=why,
-                         probed=probed)
-        self.hosts.kill(replica.rid)
-        self._on_death(replica, how, why)
+    def _treat_as_hung(self, suspects: dict[int, str], how: str, probed: dict | None = None) -> None:
+        """`suspects`: each replica found hung and what the probe found in it; `probed`: what every member was doing
+        then, so the events show causally which member was suspected and why the others were not. They are lost
+        together, in one generation change."""
+        for rid, why in suspects.items():
+            replica = self.replicas[rid]
+            self.events.emit("hang", replica=rid, pids=replica.pids, gen=self.gen, detected_by=how, why=why,
+                             probed=probed)
+            self.hosts.kill(rid)
+        self._on_deaths([self.replicas[rid] for rid in suspects], how, "; ".join(dict.fromkeys(suspects.values())))
+
+    def _check_starting(self) -> None:
+        """A replica not ready `join_timeout_s` after its spawn began (a replacement, a spare, an initial one the
+        run started without) is stuck before its training loop: treated as hung, as the initial replicas are
+        bounded by the same setting, instead of holding a slot and a restart forever."""
+        bound = self.config.join_timeout_s
+        stuck = {r.rid: f"not ready {bound:g} s after its spawn began (`join_timeout_s`): stuck before its training "
+                        "loop" for r in self.replicas.values()
+                 if r.state == ReplicaState.SPAWNING and time.time() - r.spawned_at > bound}
+        if stuck:
+            self._treat_as_hung(stuck, "hang (never ready)")
 
     def _check_stalled(self) -> None:
         key = Key.stalled(self.gen)
@@ -541,11 +576,9 @@ class ElasticController:
         suspects: dict[int, str] = {}  # replica -> why
         probed: dict[int, str] = {}  # replica -> what each of its procs was doing, and for how long
         bound = self.config.collective_timeout_s
-        for m in self.members:
-            replica = self.replicas[m]
-            if replica.state != ReplicaState.MEMBER:
-                continue
-            statuses = self._statuses(replica)
+        answers = self._statuses([self.replicas[m] for m in self.members
+                                  if self.replicas[m].state == ReplicaState.MEMBER])
+        for m, statuses in answers.items():
             if statuses is None:
                 probed[m] = suspects[m] = f"no answer from its control actor in {_PROBE_TIMEOUT_S:.0f} s (frozen)"
                 continue
@@ -557,19 +590,17 @@ class ElasticController:
                 suspects[m] = (f"{s['phase']} at step {s['step']} for {s['now'] - s['since']:.1f} s, "
                                f"past collective_timeout_s {bound:g}, while its peers waited on it")
         how = "hang"
-        if not suspects and self.store.check([Key.stalled_heal(self.gen)]):
-            # A heal past its bound with every member responsive: its recipients are the ones that cannot
-            # be brought up to date; they go (and are replaced), the trained members keep training.
-            how = "hang (heal stalled)"
-            recipients = json.loads(self.store.get(Key.stalled_heal(self.gen)))
-            suspects = {r: "its heal did not finish within its bound" for r in recipients
+        if not suspects and self.store.check([Key.unfit(self.gen)]):
+            # Every member answers, and some were found unable to go on (the recipients of a heal past its bound,
+            # a replica whose procs disagree): they go (and are replaced), the others keep training.
+            how = "reported unfit"
+            suspects = {r: why for r, why in unfit_members(self.store.get(Key.unfit(self.gen))).items()
                         if self.replicas[r].state == ReplicaState.MEMBER}
         if not suspects:
-            self._announce(list(self.members), reason="stalled reduction, all members responsive",
-                           interrupt=True)
+            self._replan(list(self.members), "stalled reduction, all members responsive",
+                         f"generation {self.gen} stalled with every member responsive")
             return
-        for rid, why in suspects.items():
-            self._treat_as_hung(self.replicas[rid], how, why, probed)
+        self._treat_as_hung(suspects, how, probed)
 
     def _check_wedged(self) -> None:
         """A generation still not formed well past the formation bound: probe its members once, and treat as
@@ -584,26 +615,31 @@ class ElasticController:
         self._wedge_checked = g
         if self._formed(g):
             return
-        for m in list(self.members):
-            replica = self.replicas[m]
-            statuses = self._statuses(replica) if replica.state == ReplicaState.MEMBER else None
-            if statuses and any(s["phase"] == Phase.JOIN and s["forming"] < g for s in statuses):
-                forming = min(s["forming"] for s in statuses)
-                self._treat_as_hung(replica, "hang (wedged)", f"still forming generation {forming} in generation {g}")
-                return  # the death published a new generation; it is checked in its own turn
+        answers = self._statuses([self.replicas[m] for m in self.members
+                                  if self.replicas[m].state == ReplicaState.MEMBER])
+        wedged = {m: f"still forming generation {min(s['forming'] for s in statuses)} in generation {g}"
+                  for m, statuses in answers.items()
+                  if statuses and any(s["phase"] == Phase.JOIN and s["forming"] < g for s in statuses)}
+        if wedged:  # the deaths publish a new generation; it is checked in its own turn
+            self._treat_as_hung(wedged, "hang (wedged)")
 
     # -- generations ---------------------------------------------------------------------------------------
 
-    def _announce(self, members: list[int], reason: str, interrupt: bool, action: Action = Action.TRAIN) -> None:
+    def _announce(self, members: list[int], reason: str, interrupt: bool, action: Action = Action.TRAIN,
+                  checkpoint: str | None = None) -> None:
         """Publish generation gen+1. `interrupt` aborts the steps in flight (a death); otherwise members
-        move at the next step boundary they all agree on (a grow)."""
+        move at the next step boundary they all agree on (a grow). `checkpoint`: what a RESTORE generation loads."""
+        holders = [] if action == Action.RESTORE else [m for m in members if self._holds(self.replicas[m])]
+        if not holders and action != Action.RESTORE:
+            raise RuntimeError(f"generation {self.gen + 1} of {members} would have no member holding the run's "
+                               "trained state: a bug in monarch-plugin")
         self.gen += 1
         g = self.gen
         previous = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         self.members = list(members)
         self.plans[g] = self.members
         self.store.set(Key.plan(g), Plan(gen=g, members=self.members, action=action, reason=reason,
-                                                 target=self.wanted).dumps())
+                                         target=self.wanted, holders=holders, checkpoint=checkpoint).dumps())
         self.store.set(Key.LATEST, str(g))
         self._announced_at = time.monotonic()
         for m in self.members:
@@ -628,16 +664,65 @@ class ElasticController:
             except Exception:  # noqa: BLE001 - a member that cannot be told is about to be found dead
                 pass
         self.events.emit("quorum", gen=g, members=self.members, reason=reason, interrupt=interrupt,
-                         action=action.value)
+                         action=action.value, holders=holders, **({"checkpoint": checkpoint} if checkpoint else {}))
+
+    def _holds(self, replica: _Replica) -> bool:
+        """Whether the replica holds the run's trained state: once every one of its procs has said so, it does."""
+        if not replica.holds and self.store.add(Key.holds(replica.rid), 0) >= self.config.procs_per_replica:
+            replica.holds = True
+        return replica.holds
+
+    def _run_checkpoint(self) -> str | None:
+        """The newest complete checkpoint of this run's own (every file recorded by its `checkpoint` events and
+        still on disk), else the one it resumed from: what a generation left without a holder restores. Never
+        another run's: a checkpoint in the same directory that this run did not write was never its state."""
+        paths = [e["path"] for e in read_events(self.config.events_path or "") if e["event"] == "checkpoint"]
+        return newest_written(paths, self.config.procs_per_replica) or self.config.resume
+
+    def _newest_checkpoint(self, live: list[int]) -> str | None:
+        """The checkpoint to resume a stopped run from, when none was written on the way out: the newest one the
+        front end's own checkpointing holds, as a live replica's control actor names it; else this run's own."""
+        for m in live:
+            try:
+                found = self.replicas[m].control.newest_checkpoint.call().get(timeout=_PROBE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - an unreachable replica names nothing; ask the next
+                continue
+            path = next((p for p in found.values() if p), None)
+            if path:
+                return path
+        return self._run_checkpoint()
+
+    def _replan(self, members: list[int], reason: str, what: str) -> str:
+        """Publish the generation that goes on after a loss, dropping the steps in flight: with its members that
+        hold the run's trained state, whom the others heal from. When none holds it (the last that did died before
+        another had healed from it), they restore the run's newest checkpoint instead, and without one the run
+        stops: never does a generation train from weights the run never trained. Returns what a restore costs, to
+        log (empty when training simply goes on)."""
+        if any(self._holds(self.replicas[m]) for m in members):
+            self._announce(members, reason=reason, interrupt=True)
+            return ""
+        checkpoint = self._run_checkpoint()
+        stop = policies.state_lost(checkpoint)
+        if stop:
+            logger.warning("%s: the run stops (%s)", what, stop)
+            self._give_up(stop)
+        self._announce(members, reason=f"{reason}; no replica holds the run's trained state: restoring {checkpoint}",
+                       interrupt=True, action=Action.RESTORE, checkpoint=checkpoint)
+        self.events.emit("restore", members=members, path=checkpoint, step=step_of(checkpoint), gen=self.gen)
+        return (f", and no live replica holds the run's trained state any more: replicas {members} restore "
+                f"{checkpoint} and train again what the run trained after its step {step_of(checkpoint)}")
 
     def _give_up(self, reason: str) -> None:
-        """Stop the run on purpose: the live members write one durable checkpoint, then everything stops."""
+        """Stop the run on purpose: the live members that hold the run's state write one durable checkpoint, then
+        everything stops. With none holding it, nothing is written (a replica's own weights would be a checkpoint
+        the run never trained) and the message names the newest checkpoint on disk to resume from."""
         live = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
+        holders = [m for m in live if self._holds(self.replicas[m])]
         checkpoint = None
-        if live:
-            self._announce(live, reason=f"giving up: {reason}", interrupt=True, action=Action.CHECKPOINT)
+        if holders:
+            self._announce(holders, reason=f"giving up: {reason}", interrupt=True, action=Action.CHECKPOINT)
             deadline = time.monotonic() + self.config.join_timeout_s
-            while time.monotonic() < deadline and any(self.replicas[m].state == ReplicaState.MEMBER for m in live):
+            while time.monotonic() < deadline and any(self.replicas[m].state == ReplicaState.MEMBER for m in holders):
                 try:
                     kind, rid, payload = self._q.get(timeout=0.05)
                 except queue.Empty:
@@ -648,10 +733,18 @@ class ElasticController:
                     checkpoint = checkpoint or next((o.checkpoint for o in payload if o.checkpoint), None)
                 elif kind == "died":
                     self.replicas[rid].state = ReplicaState.DEAD
-        self.events.emit("give_up", reason=reason, checkpoint=checkpoint)
+        resume_from = checkpoint or self._newest_checkpoint(
+            [r.rid for r in self.replicas.values() if r.state.live and r.control is not None])
+        self.events.emit("give_up", reason=reason, checkpoint=checkpoint, resume_from=resume_from)
         self._stop_everything()
-        where = f"checkpoint written to {checkpoint}" if checkpoint else "no live replica was left to checkpoint"
-        raise ElasticRunAborted(f"monarch-plugin stopped the run: {reason}; {where}", checkpoint)
+        if checkpoint:
+            where = f"checkpoint written to {checkpoint}"
+        elif resume_from:
+            where = (f"no live replica held the run's trained state to write: resume from {resume_from}, the newest "
+                     "checkpoint")
+        else:
+            where = "no live replica held the run's trained state to write, and no checkpoint of it was found"
+        raise ElasticRunAborted(f"monarch-plugin stopped the run: {reason}; {where}", resume_from)
 
     # -- liveness --------------------------------------------------------------------------------------------
 

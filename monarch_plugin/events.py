@@ -19,9 +19,9 @@ logger = logging.getLogger("monarch_plugin")
 
 LEVELS = {
     **dict.fromkeys(("spawn", "ready", "quorum", "join", "join_retry", "dropped_step", "heal", "first_commit",
-                     "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver"), logging.DEBUG),
+                     "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver", "restored"), logging.DEBUG),
     **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "give_up",
-                     "host_unreachable", "host_refused"), logging.WARNING),
+                     "host_unreachable", "host_refused", "unfit", "host_watch_error"), logging.WARNING),
 }
 """The log level of each event kind (INFO if not listed). The steps of a recovery are DEBUG: the controller logs
 one WARNING line for each failure instead, saying what happened and what the run did. `--log-level DEBUG` shows

@@ -10,7 +10,7 @@ from __future__ import annotations
 from monarch_plugin.config import ElasticConfig
 
 __all__ = ["MAX_BACKOFF_S", "admit", "below_min", "crash_loop", "grown", "next_members", "place", "respawn_delay",
-           "respawn_refused", "respawn_wanted"]
+           "respawn_refused", "respawn_wanted", "state_lost"]
 
 MAX_BACKOFF_S = 30.0
 """The longest a replacement waits after replacements that died before joining."""
@@ -33,12 +33,23 @@ def grown(wanted: int, slots: int, config: ElasticConfig) -> int:
     return min(wanted + slots, config.max_replicas)
 
 
-def below_min(survivors: int, config: ElasticConfig) -> str | None:
-    """Why the run must stop after a death, if the survivors are too few to keep training."""
-    if survivors >= config.min_replicas:
+def below_min(trainable: int, config: ElasticConfig) -> str | None:
+    """Why the run must stop after a death, if too few replicas can keep training: the survivors, and the ready
+    replicas (replacements, hot spares) of the next generation, which heal from them (`next_members`)."""
+    if trainable >= config.min_replicas:
         return None
-    return (f"{survivors} live replica(s) left, below `min_replicas` {config.min_replicas}: stopping (lower "
+    return (f"{trainable} live replica(s) left, below `min_replicas` {config.min_replicas}: stopping (lower "
             "`min_replicas` to keep training on fewer)")
+
+
+def state_lost(checkpoint: str | None) -> str | None:
+    """Why the run must stop when no live replica holds its trained state any more (the last that did died before
+    another had healed from it): no checkpoint of this run's own (`checkpoint_steps`) to restore mid-run. Training
+    on from any replica's own weights would throw away what the run trained, silently."""
+    if checkpoint is not None:
+        return None
+    return ("the last replica holding the run's trained state died before another had healed from it, and this run "
+            "wrote no checkpoint to restore mid-run (ElasticLoop's `checkpoint_steps`)")
 
 
 def crash_loop(early_deaths: int, config: ElasticConfig) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
@@ -25,6 +25,8 @@ __all__ = [
     "mesh_names",
     "replica_of_mesh",
     "spawned_by_controller",
+    "unfit_line",
+    "unfit_members",
     "watcher_names",
 ]
 
@@ -49,6 +51,9 @@ class Action(str, enum.Enum):
     TRAIN = "train"
     CHECKPOINT = "checkpoint"
     """The controller gave up: write one durable checkpoint of the last committed step, then stop."""
+    RESTORE = "restore"
+    """No member holds the run's trained state (the last replica that did died before another had healed from it):
+    every member loads `Plan.checkpoint`, the run's newest complete checkpoint, then trains on from it."""
 
 
 class ReplicaState(str, enum.Enum):
@@ -80,6 +85,12 @@ class Plan:
     target: int = 0
     """The replicas the controller is keeping the run at (`replicas`, more once a new machine grew it): what a
     shrunk generation is short of."""
+    holders: list[int] = field(default_factory=list)
+    """The members that hold the run's trained state: only they may serve a heal. The first generation's members
+    (every replica at the run's first step, or at the checkpoint it resumed) and any replica whose every proc
+    joined a generation since (`Key.holds`). A generation to train always has one; RESTORE's has none."""
+    checkpoint: str | None = None
+    """RESTORE: lane 0's file of the checkpoint every member loads."""
 
     def dumps(self) -> str:
         return json.dumps({**asdict(self), "action": self.action.value})
@@ -88,7 +99,7 @@ class Plan:
     def loads(cls, text: str | bytes) -> "Plan":
         raw = json.loads(text)
         return cls(gen=raw["gen"], members=list(raw["members"]), action=Action(raw["action"]), reason=raw["reason"],
-                   target=raw["target"])
+                   target=raw["target"], holders=list(raw["holders"]), checkpoint=raw["checkpoint"])
 
 
 class Key:
@@ -117,9 +128,18 @@ class Key:
         return f"stalled/{gen}"
 
     @staticmethod
-    def stalled_heal(gen: int) -> str:
-        """The recipients (JSON list of replica ids) of a heal abandoned past its bound."""
-        return f"stalled/{gen}/heal"
+    def unfit(gen: int) -> str:
+        """Members that cannot go on in the generation although their procs answer, and must be replaced: appended
+        to by whoever finds one, a line each (`unfit_line`, read back by `unfit_members`). The recipients of a heal
+        abandoned past its bound; a replica whose procs healed to different steps, or whose own vote timed out."""
+        return f"stalled/{gen}/unfit"
+
+    @staticmethod
+    def holds(replica: int) -> str:
+        """Counter: procs of the replica that hold the run's trained state, each counted once, after the first join
+        that left it holding (it healed from a holder, or was one). The controller counts a replica a holder once
+        every proc is counted: a replica half healed holds nothing it can serve."""
+        return f"holds/{replica}"
 
     @staticmethod
     def pick(replica: int, n: int) -> str:
@@ -167,6 +187,21 @@ class Key:
     def replica_group(replica: int) -> str:
         """The replica's own procs (their votes), formed once: they die together."""
         return f"intra/{replica}"
+
+
+def unfit_line(replica: int, why: str) -> str:
+    """One entry of `Key.unfit`: appended, so several finders of one generation never overwrite each other."""
+    return json.dumps({"replica": replica, "why": why}) + "\n"
+
+
+def unfit_members(raw: str | bytes) -> dict[int, str]:
+    """The members named in a `Key.unfit` value, each with the first reason given for it."""
+    found: dict[int, str] = {}
+    for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            found.setdefault(entry["replica"], entry["why"])
+    return found
 
 
 @dataclass

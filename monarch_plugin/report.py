@@ -46,6 +46,9 @@ class Recovery:
     replacement_died: bool = False  # the replacement itself died (before training, when it never did)
     host: str | None = None  # where the dead replica ran ("this machine", or its host agent's address)
     was_member: bool = True  # it was in the generation (else it died starting, and no one had to shrink)
+    restored_step: int | None = None  # no replica held the run's state after it: the next generation restored
+    restored_by: list[int] | None = None  # ... this checkpoint, on these replicas
+    redone_steps: int | None = None  # the steps committed after that checkpoint (as recorded), trained again
 
     @property
     def replace_started_at(self) -> float | None:
@@ -96,6 +99,14 @@ def recoveries(events: list[dict]) -> list[Recovery]:
         if shrink:
             firsts = [e for e in events if e["event"] == "first_commit" and e["gen"] == shrink["gen"]]
             rec.resumed_at = min((e["ts"] for e in firsts), default=None)
+            if shrink.get("action") == "restore":
+                restore = next(e for e in events if e["event"] == "restore" and e["gen"] == shrink["gen"])
+                rec.restored_step, rec.restored_by = restore["step"], shrink["members"]
+                # The steps committed after the checkpoint: the newest recorded (progress is recorded once a
+                # second), or seen by a restoring replica when it last joined a holder.
+                recorded = [c.step + 1 for c in commits(events) if c.ts <= death["ts"]]
+                seen = [e.get("newest_seen", -1) for e in events if e["event"] == "restored" and e["gen"] == shrink["gen"]]
+                rec.redone_steps = max(0, max(recorded + seen, default=0) - restore["step"])
         claimed = {r.replacement for r in found}
         new = next((m for q in after for m in q["members"] if m not in members_before and m not in claimed), None)
         rec.replacement_joined = new is not None
@@ -133,7 +144,12 @@ def format_recovery(rec: Recovery) -> str:
 
     lines = [f"replica {rec.replica} died (noticed by {rec.detected_by}"
              + (f", {ms(p['kill_to_detected'])} after the kill)" if rec.killed_at else ")")]
-    if rec.survivors:
+    if rec.restored_step is not None:
+        lines.append(f"  no live replica held the run's trained state any more: replicas {rec.restored_by} restored "
+                     f"the checkpoint of step {rec.restored_step}, and train again the {rec.redone_steps} step(s) "
+                     f"committed after it (as far as recorded); next committed step {ms(p['kill_to_next_commit'])} after the "
+                     f"{'kill' if rec.killed_at else 'detection'}")
+    elif rec.survivors:
         dropped = f"dropped step {rec.dropped_steps}" if rec.dropped_steps else "no step lost"
         lines.append(f"  survivors {rec.survivors} kept training: next committed step {ms(p['kill_to_next_commit'])} "
                      f"after the {'kill' if rec.killed_at else 'detection'} ({dropped})")
@@ -321,6 +337,13 @@ def _regrow(rec: Recovery) -> str:
     return "died" if rec.replacement_died else "run ended"
 
 
+def _dropped(rec: Recovery) -> str:
+    dropped = ", ".join(map(str, rec.dropped_steps)) or "none"
+    if rec.restored_step is None:
+        return dropped
+    return f"{dropped}; restored step {rec.restored_step}, {rec.redone_steps} redone"
+
+
 _LEGEND = {
     ("shrink", "-"): "it was not in the generation yet (it died starting): nothing had to shrink",
     ("shrink", "none"): "no generation without it followed (the run ended or gave up)",
@@ -349,7 +372,7 @@ def format_summary(events: list[dict]) -> list[str]:
         header = ["#", "at (s)", "replica", *(["host"] if multihost else []), "noticed by", "shrink", "regrow",
                   "dropped"]
         rows = [[str(i), f"{rec.detected_at - t0:.1f}", str(rec.replica), *([host_name(rec.host)] if multihost else []),
-                 rec.detected_by, _shrink(rec), _regrow(rec), ", ".join(map(str, rec.dropped_steps)) or "none"]
+                 rec.detected_by, _shrink(rec), _regrow(rec), _dropped(rec)]
                 for i, rec in enumerate(found, 1)]
         lines += [f"{len(found)} failure(s), times in seconds since the run started:",
                   *_table(header, rows, right={0, 1, 2}),
@@ -391,5 +414,7 @@ def _totals(events: list[dict], t0: float) -> list[str]:
         lines.append(f"  hosts: {sum(e['ts'] <= first_spawn for e in ups)} up at the start, {count('host_lost')} "
                      f"lost, {sum(e['ts'] > first_spawn for e in ups)} joined later, {count('grow')} grow(s)")
     lines += [f"  the controller gave up: {e['reason']}" + (f" (checkpoint {e['checkpoint']})" if e.get("checkpoint")
-                                                             else "") for e in events if e["event"] == "give_up"]
+                                                             else f" (resume from {e['resume_from']})"
+                                                             if e.get("resume_from") else "")
+              for e in events if e["event"] == "give_up"]
     return lines

@@ -237,7 +237,8 @@ class MonarchElasticCallback(TrainerCallback):
         else:
             self._sampler.load_state_dict(self._cursor_at(self._step))
         self._tx = StepTransaction(self._ctx, _HealState(self), list(trainer.model.parameters()),
-                                   buffers_of=[trainer.model], give_up=self._give_up)
+                                   buffers_of=[trainer.model], give_up=self._give_up,
+                                   newest_checkpoint=self._newest_checkpoint)
         resumed_at = self._step
         self._sync_generation(promote=False)
         # A replacement healed from a peer mid-run; or a stream resumed, whose position HF cannot work out from
@@ -303,6 +304,14 @@ class MonarchElasticCallback(TrainerCallback):
         path = _trainer_hooks.save_checkpoint(self._trainer)
         self._save_stream_position(path)
         return path
+
+    def _newest_checkpoint(self) -> str | None:
+        """The newest `checkpoint-N` in `output_dir`: what `trainer.train(resume_from_checkpoint=True)` resumes."""
+        from transformers.trainer_utils import get_last_checkpoint
+
+        output_dir = self._trainer.args.output_dir
+        found = get_last_checkpoint(output_dir) if output_dir and os.path.isdir(output_dir) else None
+        return os.path.abspath(found) if found else None
 
     # -- the step transaction -------------------------------------------------------------------------------------
 

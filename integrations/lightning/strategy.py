@@ -250,7 +250,8 @@ class MonarchStrategy(ParallelStrategy):
                 f"{len(self.optimizers)}: put all parameter groups into one optimizer"
             )
         self._tx = StepTransaction(self._ctx, _HealState(self), list(module.parameters()), buffers_of=[module],
-                                   overlap=self._overlap, give_up=self._write_give_up_checkpoint)
+                                   overlap=self._overlap, give_up=self._write_give_up_checkpoint,
+                                   newest_checkpoint=self._newest_checkpoint)
         self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
 
     _overlap = True
@@ -468,6 +469,15 @@ class MonarchStrategy(ParallelStrategy):
         with self._progress_at_window_start():
             self.lightning_module.trainer.save_checkpoint(path)
         return path if self.is_global_zero else None
+
+    def _newest_checkpoint(self) -> Optional[str]:
+        """The newest `.ckpt` on disk, what `fit(ckpt_path=...)` resumes: the give-up checkpoints and every
+        `ModelCheckpoint`'s."""
+        trainer = self.lightning_module.trainer
+        dirs = {self._ctx.config.checkpoint_dir, *(getattr(cb, "dirpath", None) for cb in trainer.checkpoint_callbacks)}
+        found = [os.path.join(d, name) for d in dirs if d and os.path.isdir(d) for name in os.listdir(d)
+                 if name.endswith(".ckpt")]
+        return os.path.abspath(max(found, key=os.path.getmtime)) if found else None
 
     @contextlib.contextmanager
     def _progress_at_window_start(self):

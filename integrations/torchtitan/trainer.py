@@ -115,7 +115,8 @@ class MonarchTrainer(Trainer):
         super().__init__(config)
         if config.monarch.enable:
             self._tx = StepTransaction(ctx, _HealState(self), self._params(), buffers_of=self.model_parts,
-                                       overlap=False, give_up=self._write_give_up_checkpoint)
+                                       overlap=False, give_up=self._write_give_up_checkpoint,
+                                       newest_checkpoint=self._newest_checkpoint)
             # torchtitan counted accumulation over this replica alone; a micro-batch spans every replica here.
             self.gradient_accumulation_steps = self.dataloader.config.micro_batches
             self.checkpointer = _OneWriter(self.checkpointer, self._tx)
@@ -219,6 +220,15 @@ class MonarchTrainer(Trainer):
             return None
         return os.path.abspath(os.path.join(self.config.dump_folder, self.config.checkpoint.folder,
                                             f"step-{committed}"))
+
+    def _newest_checkpoint(self) -> str | None:
+        """The newest complete `step-N` in the checkpoint folder (one with DCP's `.metadata`), which
+        `--checkpoint.enable` loads on the next start."""
+        folder = os.path.abspath(os.path.join(self.config.dump_folder, self.config.checkpoint.folder))
+        steps = [int(name[5:]) for name in (os.listdir(folder) if os.path.isdir(folder) else ())
+                 if name.startswith("step-") and name[5:].isdigit()
+                 and os.path.isfile(os.path.join(folder, name, ".metadata"))]
+        return os.path.join(folder, f"step-{max(steps)}") if steps else None
 
     # -- torchtitan's train_state (checkpoints) --------------------------------------------------------------
 

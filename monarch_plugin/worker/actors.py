@@ -45,6 +45,13 @@ class ControlActor(Actor):
         context.flags.request_stop()
 
     @endpoint
+    def newest_checkpoint(self) -> str | None:
+        """The newest checkpoint the training code's front end holds on disk (None: none, or no front end yet)."""
+        ctx = context._current
+        finder = ctx.newest_checkpoint if ctx is not None else None
+        return finder() if finder is not None else None
+
+    @endpoint
     def status(self) -> dict:
         f = context.flags
         return {"phase": f.phase.value, "since": f.phase_since, "step": f.step, "forming": f.forming, "now": time.time()}

@@ -26,7 +26,7 @@ import torch
 
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["CheckpointWriter", "lane_file", "newest", "file_name", "save"]
+__all__ = ["CheckpointWriter", "lane_file", "newest", "file_name", "newest_written", "save", "step_of"]
 
 _NAME = re.compile(r"step(?P<step>\d{8})-local(?P<lane>\d+)-of(?P<lanes>\d+)\.pt")
 
@@ -74,6 +74,26 @@ def newest(directory: str, lanes: int) -> str | None:
                           f"run's have {lanes}: resume with `procs_per_replica` {others[-1]}, or set another "
                           "`checkpoint_dir`", "resume")
     return None
+
+
+def newest_written(paths: list[str], lanes: int) -> str | None:
+    """Lane 0's file of the newest checkpoint (for replicas of `lanes` procs) of which every file is among `paths`
+    (what a run recorded writing) and still on disk; None if there is none."""
+    have: dict[tuple[str, int], set[int]] = {}
+    for path in paths:
+        match = _NAME.fullmatch(os.path.basename(path))
+        if match and int(match["lanes"]) == lanes and os.path.exists(path):
+            have.setdefault((os.path.dirname(path), int(match["step"])), set()).add(int(match["lane"]))
+    complete = [(step, directory) for (directory, step), found in have.items() if found == set(range(lanes))]
+    if not complete:
+        return None
+    step, directory = max(complete)
+    return os.path.join(directory, file_name(step, 0, lanes))
+
+
+def step_of(path: str) -> int:
+    """The committed steps held by the checkpoint that `path` is a file of, read from its name."""
+    return int(_NAME.fullmatch(os.path.basename(path))["step"])
 
 
 def lane_file(path: str, lane: int) -> str:

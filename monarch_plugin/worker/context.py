@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -110,6 +111,8 @@ class WorkerContext:
         self.events = EventLog(self.config.events_path, source=f"replica{self.replica_id}.{self.local_rank}")
         self.faults = [f for f in parse_faults(self.config.fault) if f.targets(self.replica_id, self.initial)]
         self.flags = flags
+        self.newest_checkpoint: Callable[[], str | None] | None = None
+        """The front end's finder of its newest checkpoint (`StepTransaction`), for `ControlActor.newest_checkpoint`."""
         self._store: dist.TCPStore | None = None
 
     def fault_point(self, at: str, step: int) -> None:

@@ -64,22 +64,31 @@ class HealPlan:
     step: int
 
 
-def plan_heal(steps: list[int], fresh: list[bool], max_donors: int = 1) -> HealPlan | None:
-    """Pick the donors and receivers from every member's committed step and whether it holds state at all.
+def plan_heal(steps: list[int], fresh: list[bool], holders: list[bool], max_donors: int = 1) -> HealPlan | None:
+    """Pick the donors and receivers from every member's committed step, whether it is fresh (it has never joined a
+    generation, so its state was never exchanged) and whether it holds the run's trained state (`Plan.holders`).
 
-    Donors: the lowest ranks holding state at the highest committed step, at most `max_donors` of them (healthy
-    replicas at one committed step hold the same state: DDP's invariant, which the runtime's checks of identical
-    replicas test). Receivers: everyone fresh or behind. On the very first generation nobody holds state, so
-    rank 0 alone seeds the others (as DDP's initial broadcast does).
+    Only a holder ever serves. Donors: the lowest ranks among the holders that are not fresh at their highest
+    committed step, at most `max_donors` (healthy replicas at one committed step hold the same state: DDP's
+    invariant, which the runtime's checks of identical replicas test). Receivers: everyone else. In the first
+    generation every holder is fresh (each built its own model, or loaded the same checkpoint), so the lowest-rank
+    holder alone seeds the others, as DDP's initial broadcast does. With no holder at all, healing from any member
+    would train on from weights that were never the run's: the controller never publishes such a generation (it
+    restores a checkpoint or stops), so meeting one is a bug, raised.
     """
-    holders = [r for r, f in enumerate(fresh) if not f]
-    if not holders:
-        if len(steps) == 1:
-            return None
-        return HealPlan(donors=(0,), recipients=tuple(range(1, len(steps))), step=steps[0])
-    top = max(steps[r] for r in holders)
-    donors = tuple(r for r in holders if steps[r] == top)[:max_donors]
-    recipients = tuple(r for r in range(len(steps)) if fresh[r] or steps[r] != top)
+    trusted = [r for r, held in enumerate(holders) if held]
+    if not trusted:
+        raise RuntimeError(f"no member of this generation holds the run's trained state (steps {steps}): a "
+                           "generation like that is never published to train; a bug in monarch-plugin")
+    synced = [r for r in trusted if not fresh[r]]
+    if not synced:
+        donors: tuple[int, ...] = (trusted[0],)
+        top = steps[trusted[0]]
+    else:
+        top = max(steps[r] for r in synced)
+        donors = tuple(r for r in synced if steps[r] == top)[:max_donors]
+    up_to_date = {r for r in synced if steps[r] == top} | set(donors)
+    recipients = tuple(r for r in range(len(steps)) if r not in up_to_date)
     return HealPlan(donors, recipients, top) if recipients else None
 
 

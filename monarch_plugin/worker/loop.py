@@ -110,7 +110,8 @@ class ElasticLoop:
             )
         self.tx = (
             StepTransaction(self.ctx, self, list(model.parameters()), buffers_of=[model], overlap=overlap,
-                            give_up=self._write_checkpoint)
+                            give_up=self._write_checkpoint, restore=self._restore,
+                            newest_checkpoint=lambda: newest(self.config.checkpoint_dir, self.ctx.procs_per_replica))
             if self.ctx else None
         )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
@@ -276,6 +277,11 @@ class ElasticLoop:
         path = os.path.join(directory, file_name(committed, self.ctx.local_rank, self.ctx.procs_per_replica))
         save(self.state_dict(), path)
         return os.path.abspath(path)
+
+    def _restore(self, path: str) -> int:
+        """A RESTORE generation (no replica left holding the run's state): load the run's checkpoint mid-run."""
+        self.resume(path)
+        return self.step
 
     def resume(self, path: str) -> bool:
         """Load a durable checkpoint (before iterating): one of its files, or "auto" for the newest complete one

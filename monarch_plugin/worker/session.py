@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from monarch_plugin.backend import device_for_backend, resolve_backend
-from monarch_plugin.protocol import Action, Key, Phase, Plan
+from monarch_plugin.protocol import Action, Key, Phase, Plan, unfit_line
 from monarch_plugin.worker.collectives import (
     CollectiveInterrupted,
     CollectiveTimedOut,
@@ -61,10 +62,13 @@ class StopReplica(BaseException):
 
 
 class ReplicaSession:
-    def __init__(self, ctx: WorkerContext, provider: StateProvider):
+    def __init__(self, ctx: WorkerContext, provider: StateProvider, restore: Callable[[str], int] | None = None):
+        """`restore(path)` loads a durable checkpoint of the front end's (lane 0's file `path`) mid-run and returns
+        the committed steps it holds: a RESTORE generation (`Action.RESTORE`) calls it on every member."""
         self.ctx = ctx
         self.flags = ctx.flags
         self.provider = provider
+        self.restore = restore
         self.backend = resolve_backend(ctx.config.cross_backend)
         self.device = device_for_backend(self.backend, ctx.local_rank)
         if self.device.type == "cuda":  # NCCL binds a group to the current device: this lane's, not GPU 0
@@ -79,6 +83,15 @@ class ReplicaSession:
         self.pg = None
         self.intra = None  # this replica's own procs; they die together, so it is formed once
         self.fresh = True
+        """This proc has never joined a generation: its state was never exchanged with anyone."""
+        self.holds = False
+        """This proc holds the run's trained state: it joined a generation, so it healed from a holder, was one, or
+        restored the run's checkpoint (counted once in `Key.holds`)."""
+        self.holders: list[int] = []
+        self.checkpoint: str | None = None
+        self.newest_seen = -1
+        """The most committed steps this proc has seen a holder of the run's state at (its own, or a peer's when it
+        joined): what a RESTORE generation's checkpoint is behind."""
         self._broken = False
         self._regroup_agreed = False
         self._picks = 0  # plans picked so far: the others of a multi-proc replica follow local rank 0's picks
@@ -111,16 +124,26 @@ class ReplicaSession:
             plan = self._agreed_plan(after=tried)
             tried = plan.gen
             failure: CollectiveInterrupted | None = None
+            held = step
             try:
                 self._form(plan, step)
-                self._catch_up(step)
+                held = self._catch_up(step)
             except CollectiveInterrupted as e:
                 failure = e
                 if not isinstance(e, GenerationChanged):
                     # Nobody has moved on (a construction error, a heal past its bound): the controller
                     # finds out who is stuck and plans the next generation; this worker waits for it.
                     self.ctx.store.add(Key.stalled(plan.gen), 1)
-            if not self._vote(failed=failure is not None, gen=plan.gen)[0]:
+            failed, _, steps = self._vote(failed=failure is not None, gen=plan.gen, step=held)
+            if not failed and steps[0] != steps[1]:
+                # Each proc healed its own shard from the donor's proc of the same lane: procs at different steps
+                # hold no one state, and could only train two models from here. The replica is replaced whole.
+                self.report_unfit(plan.gen, f"its procs healed to different steps ({steps[0]} and {steps[1]})")
+                failed = True
+            if not failed:
+                if not self.holds:  # before `formed`: a generation that formed is one whose members all hold it
+                    self.holds = True
+                    self.ctx.store.add(Key.holds(self.ctx.replica_id), 1)
                 # Counted by the controller, which publishes a grow only once the generation has formed:
                 # a member leaving a half-formed generation for a newer plan would strand its peers in it.
                 self.ctx.store.add(Key.formed(self.gen), 1)
@@ -202,6 +225,7 @@ class ReplicaSession:
         )
         self.gen, self.rank, self.world, self.members = g, rank, world, list(members)
         self.action, self.target = plan.action, plan.target
+        self.holders, self.checkpoint = list(plan.holders), plan.checkpoint
         self._broken = self._regroup_agreed = False
         self.ctx.events.emit(
             "join", replica=self.ctx.replica_id, gen=g, rank=rank, world=world, members=members,
@@ -211,19 +235,29 @@ class ReplicaSession:
     def _superseded(self) -> bool:
         return self.flags.stop or self.flags.latest > self.gen
 
-    def _catch_up(self, step: int) -> None:
+    def _catch_up(self, step: int) -> int:
+        """Hold the run's trained state at its newest step: heal from the generation's holders if behind (or load
+        the checkpoint of a RESTORE generation). Returns the committed steps this proc holds now."""
+        if self.action == Action.RESTORE:
+            return self._restore()
+        holders = [m in self.holders for m in self.members]
         if self.pg is None:
+            if not holders[0]:
+                raise RuntimeError(f"replica {self.ctx.replica_id} is alone in generation {self.gen} and holds no "
+                                   "state of the run's: a generation like that is never published to train; a bug "
+                                   "in monarch-plugin")
             self.fresh = False
-            return
+            return step
         mine = torch.tensor([step, int(self.fresh)], dtype=torch.int64, device=self.device)
         everyone = [torch.zeros_like(mine) for _ in range(self.world)]
         wait_all([self.pg.allgather([everyone], [mine])], self.flags, self.gen, FORMATION_BOUND_S)
         steps = [int(t[0]) for t in everyone]
         fresh = [bool(t[1]) for t in everyone]
-        plan = plan_heal(steps, fresh, self.ctx.config.heal_donors)
+        self.newest_seen = max(self.newest_seen, *(n for n, held in zip(steps, holders) if held))
+        plan = plan_heal(steps, fresh, holders, self.ctx.config.heal_donors)
         if plan is None or self.rank not in (*plan.donors, *plan.recipients):
             self.fresh = False
-            return
+            return step
         share = plan.donors.index(self.rank) if self.rank in plan.donors else None
         recipients = [self.members[r] for r in plan.recipients]
         donors = [self.members[d] for d in plan.donors]
@@ -243,8 +277,11 @@ class ReplicaSession:
                 fault_point=lambda where: self.ctx.fault_point(where, step),
             )
         except CollectiveTimedOut as e:
-            # Past its bound: never waited for. The controller treats the recipients as hung.
-            self.ctx.store.set(Key.stalled_heal(self.gen), json.dumps(recipients))
+            # Past its bound: never waited for. The controller treats the recipients as hung (unless a probe finds
+            # a member that stopped answering, which is then the one at fault).
+            for recipient in recipients:
+                self.ctx.store.append(Key.unfit(self.gen), unfit_line(recipient, "its heal did not finish within "
+                                                                                   "its bound"))
             self.ctx.events.emit("heal_abandoned", gen=self.gen, donor=donors[0], donors=donors,
                                  recipients=recipients, reason=str(e))
             raise
@@ -261,6 +298,27 @@ class ReplicaSession:
                 step=plan.step, bytes=moved.bytes, seconds=round(time.time() - t0, 4),
                 transfer_s=round(moved.seconds, 4), bound_s=round(moved.bound_s, 1),
             )
+        return plan.step if self.rank in plan.recipients else step
+
+    def _restore(self) -> int:
+        """Load the checkpoint of a RESTORE generation: the last holder of the run's state is gone, and what the run
+        trained since this checkpoint is trained again."""
+        if self.restore is None:
+            raise RuntimeError(f"generation {self.gen} restores {self.checkpoint}, but this front end cannot load a "
+                               "checkpoint mid-run: a bug in monarch-plugin (only ElasticLoop's are restored)")
+        t0 = time.time()
+        step = self.restore(self.checkpoint)
+        self.fresh = False
+        self.ctx.events.emit("restored", replica=self.ctx.replica_id, gen=self.gen, step=step, path=self.checkpoint,
+                             seconds=round(time.time() - t0, 4), newest_seen=self.newest_seen)
+        return step
+
+    def report_unfit(self, gen: int, why: str) -> None:
+        """Tell the controller this replica cannot go on in generation `gen` although its procs answer: it is
+        replaced as a hung one is."""
+        self.ctx.events.emit("unfit", replica=self.ctx.replica_id, gen=gen, why=why)
+        self.ctx.store.append(Key.unfit(gen), unfit_line(self.ctx.replica_id, why))
+        self.ctx.store.add(Key.stalled(gen), 1)
 
     # -- steps ---------------------------------------------------------------------------------------
 
@@ -283,9 +341,11 @@ class ReplicaSession:
                 grow, reduced = reducer.reduce(list(metrics))
             except CollectiveInterrupted as e:
                 failure, grow, reduced = e, False, list(metrics)
-                if isinstance(e, CollectiveTimedOut):
+                if not isinstance(e, GenerationChanged):
+                    # A timeout, or an error of the backend's (a peer's connection reset) that no death explains
+                    # yet: the controller waits a moment for one, then finds who is stuck or plans again.
                     self.ctx.store.add(Key.stalled(self.gen), 1)
-        failed, grow = self._vote(failed=failure is not None, gen=self.gen, grow=grow)
+        failed, grow, _ = self._vote(failed=failure is not None, gen=self.gen, grow=grow)
         if failed:
             self._broken = True
             raise failure or CollectiveInterrupted("another proc of this replica dropped the step")
@@ -293,24 +353,32 @@ class ReplicaSession:
         self.flags.set_phase(Phase.COMPUTE)
         return reduced
 
-    def _vote(self, failed: bool, gen: int, grow: bool = False) -> tuple[bool, bool]:
-        """Whether any proc of this replica failed, and whether any saw a grow waiting: the procs of one replica
-        commit or drop an attempt together and move to a new generation together, though their cross-replica
-        groups can disagree when a peer dies mid-step.
+    def _vote(self, failed: bool, gen: int, grow: bool = False, step: int = 0) -> tuple[bool, bool, tuple[int, int]]:
+        """Whether any proc of this replica failed, whether any saw a grow waiting, and the lowest and highest `step`
+        among them: the procs of one replica commit or drop an attempt together and move to a new generation
+        together, though their cross-replica groups can disagree when a peer dies mid-step.
 
         The vote is not interruptible by an abort: a proc that walked away from it while its sibling
         read the result would drop a step the sibling commits, and the two would part ways for good.
-        Siblings die together (the controller kills the rest of a replica), so the vote cannot hang."""
+        Siblings die together (the controller kills the rest of a replica), so only a sibling that stopped making
+        progress holds a vote up: past the collective timeout the replica reports itself unfit to go on (the
+        controller replaces it whole) and counts the vote as failed, so this proc waits for the next plan."""
         if self.intra is None:
-            return failed, grow
-        vote = torch.tensor([float(failed), float(grow), float(gen), -float(gen)])
+            return failed, grow, (step, step)
+        vote = torch.tensor([failed, grow, gen, -gen, step, -step], dtype=torch.float64)  # exact to 2**53
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        wait_all([self.intra.allreduce([vote], opts)], self.flags, self.gen, self.timeout_s, interruptible=False)
+        try:
+            wait_all([self.intra.allreduce([vote], opts)], self.flags, self.gen, self.timeout_s, interruptible=False)
+        except CollectiveTimedOut:
+            self.report_unfit(gen, f"a vote among its own procs took longer than {self.timeout_s:g} s (one of them "
+                                   "stopped making progress)")
+            self._broken = True
+            return True, False, (step, step)
         if vote[2] != -vote[3]:
             raise RuntimeError(f"the procs of replica {self.ctx.replica_id} voted from different generations "
                                f"({int(-vote[3])} and {int(vote[2])}): a bug in monarch-plugin")
-        return bool(vote[0] > 0), bool(vote[1] > 0)
+        return bool(vote[0] > 0), bool(vote[1] > 0), (int(-vote[5]), int(vote[4]))
 
     def finish(self) -> bool:
         """Leave together: True once every member of this generation has reached the end of training.

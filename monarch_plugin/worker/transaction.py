@@ -55,11 +55,17 @@ class StepTransaction:
         buffers_of: list[torch.nn.Module] = (),
         overlap: bool = True,
         give_up: Callable[[int], str | None],
+        newest_checkpoint: Callable[[], str | None] | None = None,
+        restore: Callable[[str], int] | None = None,
     ):
         """`give_up(committed)` writes the front end's checkpoint when the controller gives up, and returns its
-        path on the one proc that wrote it (None elsewhere); the replica then stops."""
+        path on the one proc that wrote it (None elsewhere); the replica then stops. `newest_checkpoint()` names
+        the newest one the front end's own checkpointing holds, which a run that stops with no replica left holding
+        its state tells its user to resume from (asked by the controller through the control actor, from its
+        thread). `restore(path)` loads one mid-run (a RESTORE generation) and returns its committed steps."""
         self.ctx = ctx
-        self.session = ReplicaSession(ctx, provider)
+        ctx.newest_checkpoint = newest_checkpoint
+        self.session = ReplicaSession(ctx, provider, restore)
         self.reducer = GradientReducer(params, self.session.device, overlap=overlap, buffers_of=buffers_of)
         self._give_up = give_up
         self._weight = 1.0
@@ -131,6 +137,7 @@ class StepTransaction:
     def committed(self, step: int) -> None:
         """Step `step` was committed (the optimizer stepped): the generation's first commit is an event, and one
         proc of the run (the generation's rank 0) records its progress every PROGRESS_INTERVAL_S."""
+        self.session.newest_seen = max(self.session.newest_seen, step + 1)
         if self._announced_gen != self.gen:
             self._announced_gen = self.gen
             self.ctx.events.emit("first_commit", replica=self.ctx.replica_id, gen=self.gen, step=step,

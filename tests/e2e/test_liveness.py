@@ -110,7 +110,8 @@ def test_heal_that_cannot_finish_is_abandoned_and_its_recipient_treated_as_hung(
     abandoned = run.events("heal_abandoned")
     assert abandoned and abandoned[0]["recipients"] == [2] and abandoned[0]["donor"] == 0
     hang = run.events("hang")
-    assert [h["replica"] for h in hang] == [2] and hang[0]["detected_by"] == "hang (heal stalled)"
+    assert [h["replica"] for h in hang] == [2] and hang[0]["detected_by"] == "reported unfit"
+    assert hang[0]["why"] == "its heal did not finish within its bound"
     stuck_at = next(f["ts"] for f in run.events("fault_injected") if f["replica"] == 2)
     assert hang[0]["ts"] - stuck_at < 60.0  # bounded by the heal (10 s floor), not the 120 s timeout
     _left_before_next_generation(run, 0, abandoned[0]["gen"])

@@ -241,14 +241,29 @@ def test_sampler_state_moves_the_cursor():
 
 
 def test_heal_plan_picks_donors_at_the_newest_step():
-    assert plan_heal([5, 5], [False, False]) is None
-    plan = plan_heal([5, 5, -1], [False, False, True])
+    held = [True] * 4
+    assert plan_heal([5, 5], [False, False], held[:2]) is None
+    plan = plan_heal([5, 5, -1], [False, False, True], [True, True, False])
     assert (plan.donors, plan.recipients, plan.step) == ((0,), (2,), 5)
-    assert plan_heal([5, 5, -1], [False, False, True], max_donors=2).donors == (0, 1)  # both serve a share
-    plan = plan_heal([4, 5, 5, 5], [False, False, False, True], max_donors=2)  # a survivor dropped a step
-    assert (plan.donors, plan.recipients) == ((1, 2), (0, 3))  # never one that is behind
-    plan = plan_heal([0, 0, 0], [True, True, True], max_donors=2)  # first generation: rank 0 alone seeds
+    assert plan_heal([5, 5, -1], [False, False, True], [True, True, False], max_donors=2).donors == (0, 1)
+    plan = plan_heal([4, 5, 5, 5], [False, False, False, True], [True, True, True, False], max_donors=2)
+    assert (plan.donors, plan.recipients) == ((1, 2), (0, 3))  # never one that is behind: a survivor dropped a step
+    plan = plan_heal([0, 0, 0], [True, True, True], held[:3], max_donors=2)  # first generation: rank 0 alone seeds
     assert (plan.donors, plan.recipients) == ((0,), (1, 2))
+
+
+def test_only_a_holder_of_the_runs_state_ever_serves_a_heal():
+    # A newcomer that joined alone once (its donor died mid-heal) is not fresh, and may even be ahead: still no donor.
+    plan = plan_heal([3, 9], [False, False], [True, False], max_donors=2)
+    assert (plan.donors, plan.recipients, plan.step) == ((0,), (1,), 3)
+    # A late initial replica (fresh, at step 0) that is not a holder, beside the holders: a recipient.
+    plan = plan_heal([0, 7, 7], [True, False, False], [False, True, True], max_donors=1)
+    assert (plan.donors, plan.recipients) == ((1,), (0,))
+    # The first generation seeds from its lowest-rank holder, not from rank 0.
+    plan = plan_heal([0, 0, 0], [True, True, True], [False, True, True])
+    assert (plan.donors, plan.recipients) == ((1,), (0, 2))
+    with pytest.raises(RuntimeError, match="no member of this generation holds the run's trained state"):
+        plan_heal([0, 12], [True, False], [False, False])
 
 
 def test_shares_split_the_tensors_by_bytes_without_cutting_one():

@@ -30,6 +30,18 @@ def test_too_few_survivors_stop_the_run_naming_the_setting():
     assert "below `min_replicas` 2" in policies.below_min(1, config)
 
 
+def test_a_ready_replacement_counts_towards_min_replicas_with_the_survivor_it_heals_from():
+    config = ElasticConfig(replicas=3, min_replicas=2)
+    members = policies.next_members([2], [3], wanted=3)  # replica 1 died, 3 is ready, then 0 died too
+    assert members == [2, 3] and policies.below_min(len(members), config) is None
+
+
+def test_a_run_with_no_holder_of_its_state_left_restores_its_checkpoint_or_stops():
+    assert policies.state_lost("/ckpt/step00000040-local0-of1.pt") is None
+    stop = policies.state_lost(None)
+    assert stop.startswith("the last replica holding the run's trained state died") and "`checkpoint_steps`" in stop
+
+
 def test_replacements_that_die_before_joining_back_off_then_stop_the_run():
     config = ElasticConfig(restart_backoff_s=1.0, crash_loop_limit=3)
     assert [policies.respawn_delay(n, config) for n in range(4)] == [0.0, 1.0, 2.0, 4.0]

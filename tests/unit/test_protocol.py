@@ -20,6 +20,8 @@ from monarch_plugin.protocol import (
     mesh_names,
     replica_of_mesh,
     spawned_by_controller,
+    unfit_line,
+    unfit_members,
     watcher_names,
 )
 from monarch_plugin.worker.transaction import rng_state, set_rng_state
@@ -31,12 +33,21 @@ def test_a_plan_round_trips_through_the_store_text():
     plan = Plan(gen=3, members=[0, 2], action=Action.CHECKPOINT, reason="giving up: too few replicas", target=3)
     assert Plan.loads(plan.dumps()) == plan
     assert Plan.loads(plan.dumps().encode()).action is Action.CHECKPOINT  # the store hands back bytes
+    restore = Plan(gen=4, members=[2, 3], action=Action.RESTORE, reason="no holder", checkpoint="/c/step1.pt")
+    assert Plan.loads(restore.dumps()) == restore and restore.holders == []
+
+
+def test_unfit_members_are_appended_by_their_finders_and_read_back_once_each():
+    raw = unfit_line(3, "its heal did not finish within its bound") + unfit_line(1, "vote timed out")
+    raw += unfit_line(3, "another reason")
+    assert unfit_members(raw.encode()) == {3: "its heal did not finish within its bound", 1: "vote timed out"}
 
 
 def test_keys_are_distinct_per_generation_replica_and_lane():
-    keys = [Key.LATEST, Key.plan(1), Key.ready(1), Key.formed(1), Key.stalled(1), Key.stalled_heal(1),
+    keys = [Key.LATEST, Key.plan(1), Key.ready(1), Key.formed(1), Key.stalled(1), Key.unfit(1), Key.holds(1),
             Key.pick(1, 1), Key.finished(1, 0), Key.finished(1, 1), Key.group(1, 0), Key.group(1, 1),
-            Key.heal_group(1, 0, 0), Key.heal_group(1, 0, 1), Key.heal_group(1, 1, 0), Key.replica_group(1), Key.plan(2)]
+            Key.heal_group(1, 0, 0), Key.heal_group(1, 0, 1), Key.heal_group(1, 1, 0), Key.replica_group(1),
+            Key.plan(2)]
     assert len(set(keys)) == len(keys)
 
 

@@ -1,0 +1,111 @@
+"""The controller's decisions in the sequences that used to end wrong: the last replica holding the run's state dies
+before another has healed from it, and too few survivors are left but for a replica ready to join them.
+
+Real replicas and real deaths, injected at points of the protocol (`--fault ...:at=heal_donor`) or from outside by
+pid; the checks read the run's own step log and events: a run never trains from weights it did not train (a step
+trained again after a restore has the loss it had the first time), and every sample of every epoch counts once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from conftest import WORKLOADS, alive
+
+pytestmark = pytest.mark.timeout(240)
+SAMPLES, BATCH, EPOCHS = 240, 24, 3  # 10 steps an epoch
+TOTAL = EPOCHS * SAMPLES // BATCH
+# Replica 1 dies at step 8; replica 0, the only holder left, dies serving the replacement's heal.
+LAST_HOLDER_LOST = "sigkill:replica=1:step=8,sigkill:replica=0:at=heal_donor:step=1"
+
+
+def _logged(run, *args: str):
+    return run.start("--replicas", "2", "--min-replicas", "1", "--fault", LAST_HOLDER_LOST, *args,
+                     script=WORKLOADS / "logged_loop.py",
+                     script_args=("--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS),
+                                  "--step-sleep", "0.05", "--out", str(run.out)))
+
+
+def _steps(run) -> list[dict]:
+    path = run.out / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _no_orphans(run) -> None:
+    for pids in run.pids().values():
+        assert not any(alive(p) for p in pids), run.pids()
+
+
+def test_the_last_holder_dying_mid_heal_restores_the_runs_checkpoint_and_trains_the_lost_steps_again(elastic_run):
+    run = _logged(elastic_run(), "--checkpoint-steps", "5")
+    assert run.wait(timeout=200) == 0, run.output
+
+    [restore] = run.events("restore")
+    start = restore["step"]  # the newest checkpoint when the holder died: how far it trained alone varies
+    assert start >= 5 and start % 5 == 0 and restore["members"] == [2], restore
+    quorum = next(q for q in run.events("quorum") if q["gen"] == restore["gen"])
+    assert quorum["action"] == "restore" and quorum["holders"] == [] and quorum["checkpoint"] == restore["path"]
+    assert [e["replica"] for e in run.events("restored")] == [2]
+    assert not any(e["replica"] == 2 for e in run.events("first_commit") if e["gen"] < restore["gen"]), \
+        "the replacement trained before it restored the run's state"
+    assert f"restore {restore['path']} and train again what the run trained after its step {start}" in run.output
+
+    # Every step's last record is the one that counts: those before the checkpoint from the first replicas, the
+    # rest from the restore.
+    records = _steps(run)
+    final = {r["step"]: r for r in records}
+    assert sorted(final) == list(range(TOTAL))
+    restart = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    assert [r["step"] for r in records[restart:]] == list(range(start, TOTAL))
+    redone = [r for r in records[:restart] if r["step"] >= start]
+    assert redone, "nothing was committed after the checkpoint before the holder died"
+    for old in redone:  # the same batch from the same state: the loss it had the first time
+        assert final[old["step"]]["batch"] == old["batch"]
+        assert final[old["step"]]["loss"] == pytest.approx(old["loss"], rel=1e-5), (old, final[old["step"]])
+    for epoch in range(EPOCHS):
+        trained = sorted(i for r in final.values() if r["epoch"] == epoch for i in r["batch"])
+        assert trained == list(range(SAMPLES)), epoch
+    results = run.results()
+    assert set(results) == {2, 3} and {r["step"] for r in results.values()} == {TOTAL}
+    assert len({r["checksum"] for r in results.values()}) == 1
+    _no_orphans(run)
+
+
+def test_the_last_holder_dying_mid_heal_without_a_checkpoint_stops_the_run_and_writes_nothing(elastic_run):
+    run = _logged(elastic_run())
+    assert run.wait(timeout=200) == 1, run.output
+    assert "the last replica holding the run's trained state died before another had healed from it" in run.output
+    assert "(ElasticLoop's --checkpoint-steps)" in run.output  # the fix, in monarch-run's spelling
+    [give_up] = run.events("give_up")
+    assert give_up["checkpoint"] is None and give_up["resume_from"] is None
+    assert not (run.tmp / "ckpt").exists() or not os.listdir(run.tmp / "ckpt")
+    assert not [e for e in run.events("first_commit") if e["replica"] == 2], "the replacement trained from nothing"
+    assert max(r["step"] for r in _steps(run)) < TOTAL - 1
+    _no_orphans(run)
+
+
+def test_a_ready_replica_counts_towards_min_replicas_with_the_survivor_it_heals_from(elastic_run):
+    """2 replicas, `--min-replicas 2`, a hot spare ready: replica 1 is SIGKILLed from outside. The survivor and the
+    ready spare make two, so the run goes on (it used to count the survivors alone, and stop), exactly as when a
+    survivor dies the moment a replacement is ready but not yet admitted."""
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "2", "--spares", "1",
+              script_args=("--epochs", "12", "--samples", "256", "--batch", "16", "--step-sleep", "0.05",
+                           "--out", str(run.out)))
+    run.wait_for(lambda: any(e["replica"] == 2 for e in run.events("ready")) and run.progress(0) >= 5,
+                 timeout=120, what="the spare ready and step 5")
+    os.kill(run.pids()[1][0], signal.SIGKILL)
+    assert run.wait(timeout=200) == 0, run.output
+    assert not run.events("give_up")
+    assert [d["replica"] for d in run.events("death")] == [1]
+    assert [q["members"] for q in run.events("quorum")][:2] == [[0, 1], [0, 2]]
+    results = run.results()
+    assert set(results) == {0, 2} and {r["step"] for r in results.values()} == {12 * 16}
+    assert len({r["checksum"] for r in results.values()}) == 1
+    for epoch, counts in enumerate(results[0]["seen"]):  # replica 0 trained from the start to the end
+        assert set(counts) == {1.0}, f"epoch {epoch}: {counts}"
+    _no_orphans(run)
