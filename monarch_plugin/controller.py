@@ -276,7 +276,8 @@ class ElasticController:
                 return
             future = replica.actor.run.call(self.target)
         except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
-            self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
+            if not self.hosts.gone(replica.rid):  # else its host's loss takes it, and it is no crash of its own
+                self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
             return
         self.events.emit("spawn", replica=replica.rid, pids=replica.pids, initial=replica.initial,
                          host=self.hosts.host_of(replica.rid).name, seconds=round(time.time() - replica.spawned_at, 3))
@@ -411,7 +412,7 @@ class ElasticController:
         """Every replica on the host is gone at once: one generation change, not one per replica."""
         lost = [r for r in self.replicas.values() if r.host == host and r.state.live]
         self.events.emit("host_lost", host=self.hosts.hosts[host].name, replicas=[r.rid for r in lost], reason=how)
-        self._on_deaths(lost, how)
+        self._on_deaths(lost, how, host_lost=True)
 
     def _on_host_up(self, host: int, returning: bool) -> None:
         """A host joined: replicas waiting for room can go there; a new machine (not one that came back) also
@@ -426,8 +427,10 @@ class ElasticController:
                 self.wanted = grown
         self._schedule_respawn()
 
-    def _on_deaths(self, replicas: list[_Replica], how: str, why: str = "") -> None:
-        """`how`: what noticed it (the events' `detected_by`); `why`: what the probe found in a hung one."""
+    def _on_deaths(self, replicas: list[_Replica], how: str, why: str = "", host_lost: bool = False) -> None:
+        """`how`: what noticed it (the events' `detected_by`); `why`: what the probe found in a hung one.
+        `host_lost`: they went with their host, which says nothing of the training code: a replacement still
+        starting there does not count towards the crash loop."""
         dead = [r for r in replicas if r.state not in (ReplicaState.DEAD, ReplicaState.FINISHED, ReplicaState.STOPPED)]
         if not dead:
             return
@@ -444,7 +447,7 @@ class ElasticController:
             self.hosts.kill(replica.rid)  # the rest of its group would only block its peers now
             self.hosts.release(replica.rid)
             threading.Thread(target=self._stop_mesh, args=(replica,), daemon=True).start()
-            if not replica.initial and not replica.admitted:
+            if not replica.initial and not replica.admitted and not host_lost:
                 self.early_deaths += 1
             if was_member:
                 lost_members.append(replica.rid)

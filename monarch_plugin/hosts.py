@@ -17,6 +17,7 @@ attached before, so a machine that came back, not new capacity.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import queue
@@ -62,6 +63,8 @@ class Host:
     beats: int = -1
     heard_at: float = 0.0
     deaths_seen: int = 0
+    unrecorded_since: float | None = None
+    """When its watcher's death counter first stood ahead of the records it had written (else None)."""
 
     @property
     def ip(self) -> str:
@@ -218,7 +221,9 @@ class Hosts:
             self._local.forget(replica)
 
     def kill(self, replica: int) -> None:
-        """SIGKILL the replica's procs (through pidfds, immune to pid reuse), on whichever host they run."""
+        """SIGKILL the replica's procs (through pidfds, immune to pid reuse), on whichever host they run. On another
+        host the order is sent and not waited for: a host cut off from the controller never answers, and the
+        controller's next decision (the survivors' new generation) must not wait `_CALL_S` for it."""
         host = self._where.get(replica)
         if host is None:
             return
@@ -227,9 +232,10 @@ class Hosts:
             self._local.kill(replica)
         elif host.live:
             try:
-                host.watcher.kill.call_one(replica).get(timeout=_CALL_S)
+                sent = host.watcher.kill.call_one(replica)
             except Exception:  # noqa: BLE001 - an unreachable host is declared lost by its missing beats
-                pass
+                return
+            threading.Thread(target=_settle, args=(sent,), name="monarch-plugin-kill", daemon=True).start()
 
     # -- other machines -------------------------------------------------------------------------------------
 
@@ -302,35 +308,80 @@ class Hosts:
         return slots, plan_gpus(machine["kind"], machine["devices"], machine["environ"], slots, k) if slots else None
 
     def _watch_hosts(self) -> None:
-        """Deaths and beats of every attached host, and new hosts from `hosts_file`."""
+        """Deaths and beats of every attached host, and new hosts from `hosts_file`. Over a store connection of its
+        own: a call that waits on the network never holds up the controller's other store calls, nor theirs this
+        watch. One host's trouble is reported and the watch goes on with the others; only the end of the run ends
+        it."""
+        import torch.distributed as dist
+
+        store = None
         listed_at = 0.0
         while not self._closing.wait(0.02):
             now = time.monotonic()
-            for host in [h for h in self.hosts if h.live and h.watcher is not None]:
-                try:
-                    self._poll(host, now)
-                except Exception:  # noqa: BLE001 - the store is the controller's own: it is shutting down
+            try:
+                if store is None:
+                    store = dist.TCPStore(self.config.store_host, self._store.port, is_master=False,
+                                          wait_for_workers=False, timeout=datetime.timedelta(seconds=_CALL_S))
+                for host in [h for h in self.hosts if h.live and h.watcher is not None]:
+                    self._poll(store, host, now)
+            except Exception as e:  # noqa: BLE001 - a broken connection is made again; a closing run stops here
+                if self._closing.is_set():
                     return
+                self.events.emit("host_watch_error", error=f"{type(e).__name__}: {e}")
+                store = None
             if now - listed_at >= 1.0:
                 listed_at = now
                 self._look_for_hosts()
 
-    def _poll(self, host: Host, now: float) -> None:
-        store = self._store
+    def _poll(self, store, host: Host, now: float) -> None:
+        """A host is lost when its beats stop, or when a death its watcher counted stays without its record (the
+        watcher writes the record before counting it), for `host_timeout_s`: whichever way its link was cut."""
         beats = store.add(Key.host_beat(host.index), 0)
         if beats != host.beats:
             host.beats, host.heard_at = beats, now
         elif now - host.heard_at > self.config.host_timeout_s:
-            host.live = False
-            store.set(Key.host_lost(host.index), "1")  # any of its procs still running ends at its next touch
-            self._report.put(("host_lost", host.index, f"host {host.name} lost (no beat for "
-                                                       f"{now - host.heard_at:.1f} s)"))
+            self.lose(host, f"no beat for {now - host.heard_at:.1f} s")
             return
         deaths = store.add(Key.host_deaths(host.index), 0)
         while host.deaths_seen < deaths:
+            key = Key.host_death(host.index, host.deaths_seen + 1)
+            if not store.check([key]):  # never a blocking get: a record that never comes would stop the watch
+                host.unrecorded_since = host.unrecorded_since or now
+                if now - host.unrecorded_since > self.config.host_timeout_s:
+                    self.lose(host, f"a death its watcher counted has had no record for "
+                                    f"{now - host.unrecorded_since:.1f} s")
+                return
+            host.unrecorded_since = None
             host.deaths_seen += 1
-            death = json.loads(store.get(Key.host_death(host.index, host.deaths_seen)))
+            death = json.loads(store.get(key))
             self._report.put(("died", death["replica"], f"watcher on {host.name} (pid {death['pid']} exited)"))
+
+    def lose(self, host: Host, why: str) -> None:
+        """Declare `host` lost (once, whoever finds it first): its procs that still run end at their next touch of
+        the store, and the controller loses its replicas in one generation change."""
+        with self._lock:
+            if not host.live:
+                return
+            host.live = False
+        try:
+            self._store.set(Key.host_lost(host.index), "1")
+        except Exception:  # noqa: BLE001 - the run is closing: the procs end by their leases
+            pass
+        self._report.put(("host_lost", host.index, f"host {host.name} lost ({why})"))
+
+    def gone(self, replica: int) -> bool:
+        """After a failed spawn of `replica`: whether its host is gone, declared lost now if its watcher does not
+        answer (the spawn then failed for the host's sake, not the replica's)."""
+        host = self.host_of(replica)
+        if host.watcher is None:
+            return False
+        if host.live:
+            try:
+                host.watcher.free_port.call_one().get(timeout=_CALL_S)
+                return False
+            except Exception as e:  # noqa: BLE001 - no answer is the answer
+                self.lose(host, f"a spawn on it failed and its watcher does not answer ({type(e).__name__})")
+        return True
 
     def _look_for_hosts(self) -> None:
         """Attach every listed address not tried yet: a new machine, or an agent restarted on a new port. An
@@ -344,6 +395,14 @@ class Hosts:
         host = self._attach(address)
         if host is not None:
             self._report.put(("host_up", host.index, host.returning))
+
+
+def _settle(future) -> None:
+    """Wait for a call's answer off the controller's thread, and let an unreachable host's silence go."""
+    try:
+        future.get(timeout=_CALL_S)
+    except Exception:  # noqa: BLE001 - an unreachable host is declared lost by its missing beats
+        pass
 
 
 def _stop(procs) -> None:

@@ -26,12 +26,17 @@ def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.Com
     return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
 
 
+def _tc(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [*(["ip", "netns", "exec", ns] if ns else []), "tc", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=check, timeout=30)
+
+
 def available() -> str | None:
     """None if network namespaces can be made here, else why not."""
     if os.geteuid() != 0:
         return "needs root (ip netns)"
-    if shutil.which("ip") is None or shutil.which("ss") is None:
-        return "needs iproute2 (ip, ss)"
+    if shutil.which("ip") is None or shutil.which("ss") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, ss, tc)"
     return None
 
 
@@ -110,6 +115,17 @@ class NetnsHosts:
     def link(self, i: int, up: bool) -> None:
         """Cut host i off the network (its veth down, as when its link fails), or connect it again."""
         _ip("link", "set", f"{self.tag}v{i}", "up" if up else "down")
+
+    def cut(self, i: int, towards: bool) -> None:
+        """Drop every packet in one direction only: towards host i (`towards`) or from it, while the other direction
+        still delivers. A `pfifo` queue of length 0 on the sending end of its veth drops all it is given (this
+        kernel has no netem); `uncut` takes it away."""
+        dev, ns = (f"{self.tag}v{i}", None) if towards else (f"{self.tag}p{i}", self.names[i])
+        _tc("qdisc", "add", "dev", dev, "root", "pfifo", "limit", "0", ns=ns)
+
+    def uncut(self, i: int, towards: bool) -> None:
+        dev, ns = (f"{self.tag}v{i}", None) if towards else (f"{self.tag}p{i}", self.names[i])
+        _tc("qdisc", "del", "dev", dev, "root", ns=ns, check=False)
 
     def pids(self, i: int) -> list[int]:
         """Every process in host i's namespace: its agent and everything the agent started."""

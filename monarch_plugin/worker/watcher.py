@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 
 from monarch.actor import Actor, endpoint
 
@@ -40,6 +41,8 @@ class HostWatcher(Actor):
         self._host = host
         self._store = dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=lease))
+        self._reported = 0  # deaths written so far: this watcher is its host's only writer of them
+        self._report_lock = threading.Lock()
         self._pids = PidWatch(self._report, name="monarch-plugin-watch")
         self._lease = Lease(store_host, store_port, host, lease, f"the watcher of host {host}",
                             beat_key=Key.host_beat(host))
@@ -69,8 +72,13 @@ class HostWatcher(Actor):
         self._pids.kill(replica)
 
     def _report(self, replica: int, pid: int) -> None:
-        try:
-            n = self._store.add(Key.host_deaths(self._host), 1)
-            self._store.set(Key.host_death(self._host, n), json.dumps({"replica": replica, "pid": pid}))
-        except Exception:  # noqa: BLE001 - unreachable controller: the host will be declared lost
-            pass
+        """The record first, then the counter: the controller reads the n-th record once the counter says n, so a
+        link that drops between the two leaves a record nobody counted, never a count with no record behind it."""
+        with self._report_lock:
+            n = self._reported + 1
+            try:
+                self._store.set(Key.host_death(self._host, n), json.dumps({"replica": replica, "pid": pid}))
+                self._store.add(Key.host_deaths(self._host), 1)
+            except Exception:  # noqa: BLE001 - unreachable controller: the host will be declared lost
+                return
+            self._reported = n
