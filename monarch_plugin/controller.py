@@ -168,6 +168,7 @@ class ElasticController:
         self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
         self._announced_at = 0.0
         self._wedge_checked = -1  # the last generation probed for members wedged in an older formation
+        self._stall_probed = -1  # the last generation probed for the member its stall waits on
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -359,7 +360,13 @@ class ElasticController:
                 r.state = ReplicaState.WAITING
 
     def _handle(self, kind: str, rid: int, payload: Any) -> None:
-        """One report: of a replica (`rid` its id) or, for `host_lost` and `host_up`, of a host (`rid` its index)."""
+        """One report: of a replica (`rid` its id); for `host_lost` and `host_up`, of a host (`rid` its index); for
+        `stall_probed` and `wedge_probed`, a probe's answers (`rid` the generation it probed, stale once another
+        has been published)."""
+        if kind in ("stall_probed", "wedge_probed"):
+            if rid == self.gen and not self._closing.is_set():
+                (self._judge_stall if kind == "stall_probed" else self._judge_wedged)(payload)
+            return
         replica = self.replicas.get(rid)
         if replica is None and not kind.startswith("host_"):
             return
@@ -567,21 +574,37 @@ class ElasticController:
         if stuck:
             self._treat_as_hung(stuck, "hang (never ready)")
 
+    def _probe(self, kind: str) -> None:
+        """Ask the current generation's members what they are doing, on a thread of its own: the answers come back
+        on the queue as `(kind, gen, answers)`, and meanwhile the controller goes on noticing deaths and host losses
+        (a probe of a frozen member takes `_PROBE_TIMEOUT_S`, and one of a cut-off host's never answers)."""
+        g = self.gen
+        members = [self.replicas[m] for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
+        threading.Thread(target=lambda: self._q.put((kind, g, self._statuses(members))), daemon=True,
+                         name=f"monarch-plugin-probe-{g}").start()
+
     def _check_stalled(self) -> None:
         key = Key.stalled(self.gen)
-        if self.gen < 0 or not self.store.check([key]):
+        if self.gen < 0 or self._stall_probed == self.gen or not self.store.check([key]):
             return
         # A peer's death is what usually breaks a collective, and it reaches us by pidfd or supervision
         # within milliseconds of the survivors' report: let it, rather than probe a dead member.
         first_seen = self._stalls_seen.setdefault(self.gen, time.monotonic())
         if time.monotonic() - first_seen < _STALL_GRACE_S:
             return
+        self._stall_probed = self.gen
+        self._probe("stall_probed")
+
+    def _judge_stall(self, answers: dict[int, list[dict] | None]) -> None:
+        """The current generation stalled and its members answered (or did not): the one stuck outside the
+        reduction, or that answered nothing, is hung; with none, a member reported unfit goes; with none of
+        those either, the same members form the generation again."""
         suspects: dict[int, str] = {}  # replica -> why
         probed: dict[int, str] = {}  # replica -> what each of its procs was doing, and for how long
         bound = self.config.collective_timeout_s
-        answers = self._statuses([self.replicas[m] for m in self.members
-                                  if self.replicas[m].state == ReplicaState.MEMBER])
         for m, statuses in answers.items():
+            if self.replicas[m].state != ReplicaState.MEMBER:
+                continue  # it died while the probe was out: already dealt with
             if statuses is None:
                 probed[m] = suspects[m] = f"no answer from its control actor in {_PROBE_TIMEOUT_S:.0f} s (frozen)"
                 continue
@@ -616,13 +639,14 @@ class ElasticController:
         if time.monotonic() - self._announced_at < FORMATION_BOUND_S + 2 * _STALL_GRACE_S:
             return
         self._wedge_checked = g
-        if self._formed(g):
-            return
-        answers = self._statuses([self.replicas[m] for m in self.members
-                                  if self.replicas[m].state == ReplicaState.MEMBER])
+        if not self._formed(g):
+            self._probe("wedge_probed")
+
+    def _judge_wedged(self, answers: dict[int, list[dict] | None]) -> None:
+        g = self.gen
         wedged = {m: f"still forming generation {min(s['forming'] for s in statuses)} in generation {g}"
-                  for m, statuses in answers.items()
-                  if statuses and any(s["phase"] == Phase.JOIN and s["forming"] < g for s in statuses)}
+                  for m, statuses in answers.items() if self.replicas[m].state == ReplicaState.MEMBER
+                  and statuses and any(s["phase"] == Phase.JOIN and s["forming"] < g for s in statuses)}
         if wedged:  # the deaths publish a new generation; it is checked in its own turn
             self._treat_as_hung(wedged, "hang (wedged)")
 

@@ -276,14 +276,16 @@ class _AbandonableStore(dist.Store):
 
 def abandon(pg) -> None:
     """Give up on a group after an interruption: NCCL/RCCL can abort; a gloo group is kept until its timeout has
-    passed, and only then dropped.
+    passed, and then dropped on a clock (`_reap`), not at the next abandonment.
 
     Gloo cannot abort an operation in flight, and destroying a gloo group waits for the operations it has queued:
     after a step interrupted mid-reduction, one that ends only at the group's timeout (or when a peer's socket
     closes). Dropped at once, that wait fell on whichever thread freed the group last: under Lightning, whose
     objects hold the group in reference cycles, a garbage collection in the middle of a later step, holding the
     GIL, which froze every thread of the proc (its control actor's included) for 10-20 s at a time. Kept until
-    its timeout, a group has nothing left to wait for when it goes."""
+    its timeout, a group has nothing left to wait for when it goes. Kept longer, its transport thread can go on
+    spinning on its dead peers' sockets (docs/benchmarks.md): with one failure a minute, a group waited a minute
+    more for the next abandonment to drop it."""
     store = _store_of.pop(id(pg), None)
     if pg is None:
         return
@@ -293,10 +295,32 @@ def abandon(pg) -> None:
         except Exception:  # noqa: BLE001 - the group is already broken; nothing more to do
             pass
         return
-    now = time.monotonic()
-    _graves[:] = [grave for grave in _graves if grave[0] > now]  # their operations have all ended
-    _graves.append((now + (store._timeout_s if store is not None else 0.0) + 1.0, pg, store))
+    timeout_s = pg.options._timeout.total_seconds() if hasattr(pg, "options") else 0.0
+    with _graves_lock:
+        _graves.append((time.monotonic() + timeout_s + 1.0, pg, store))
+        global _reaper
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="monarch-plugin-graves", daemon=True)
+            _reaper.start()
+    _buried.set()
 
 
 _graves: list[tuple[float, object, object]] = []
 """Abandoned gloo groups, with the stores they were built over, each until its timeout has passed (`abandon`)."""
+_graves_lock = threading.Lock()
+_buried = threading.Event()
+_reaper: threading.Thread | None = None
+
+
+def _reap() -> None:
+    """Drop each abandoned group once its timeout has passed: every operation it queued has ended by then, so
+    freeing it (here, off the training thread) waits for nothing."""
+    while True:
+        with _graves_lock:
+            now = time.monotonic()
+            due = [grave for grave in _graves if grave[0] <= now]
+            _graves[:] = [grave for grave in _graves if grave[0] > now]
+            wake_at = min((grave[0] for grave in _graves), default=None)
+        del due  # the groups go here, outside the lock
+        _buried.wait(None if wake_at is None else max(wake_at - time.monotonic(), 0.0))
+        _buried.clear()

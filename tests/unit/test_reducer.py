@@ -229,6 +229,26 @@ def test_an_abandoned_group_with_a_reduction_in_flight_costs_nothing_to_let_go()
     assert time.monotonic() - t0 < 5
 
 
+def test_an_abandoned_group_is_dropped_on_a_clock_once_its_timeout_has_passed():
+    """Not at the next abandonment, which with one failure a minute kept a group (and its transport thread, which
+    can spin on dead peers' sockets) a minute past its timeout."""
+    import time
+
+    from monarch_plugin.worker import collectives
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("clock", store), 0, 1, datetime.timedelta(seconds=1))
+    key = id(pg)
+    t0 = time.monotonic()
+    collectives.abandon(pg)
+    del pg
+    assert any(id(grave[1]) == key for grave in collectives._graves)
+    while any(id(grave[1]) == key for grave in collectives._graves):
+        assert time.monotonic() - t0 < 10, "the abandoned group was never dropped"
+        time.sleep(0.1)
+    assert time.monotonic() - t0 > 1.5  # kept for its timeout (1 s) and a second more, then dropped
+
+
 def test_buffers_are_averaged_at_commit_and_a_retried_attempt_starts_from_the_first_ones(pg):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
