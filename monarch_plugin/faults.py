@@ -8,6 +8,9 @@ with commas::
     segv:replica=0:step=5         SIGSEGV (a crash in native code)
     hang:replica=2:step=7         stop making progress (sleep) inside the step; the process stays reachable
     stop:replica=2:step=7         SIGSTOP: the whole process freezes, as a stall from outside would
+    gil:replica=2:step=7          hold Python's GIL and never let go (a C call that never returns): the process
+                                  and Monarch's own runtime in it answer, its Python threads (the controller's
+                                  probes included) do not
     raise:step=3                  raise an exception (a bug in user code; every initial replica if no replica=)
 
 `at=` moves the fault from the start of a step to a point of the recovery protocol, the first time the
@@ -22,8 +25,9 @@ replica reaches it (after its committed step reaches `step=`, when given):
 
 A fault that names `replica=` hits that replica id, a replacement or a spare included (ids are given in
 spawn order: the initial replicas, then the spares, then each replacement). One without `replica=` hits
-only replicas spawned at the start, so a replacement that heals past the step does not die again. Each
-fault fires at most once per process. Nothing fires unless a fault is configured (``--fault`` /
+only replicas spawned at the start, so a replacement that heals past the step does not die again. `lane=`
+narrows it to one proc of a replica of several (its local rank): "hang:replica=1:lane=1:step=5" stalls that
+proc alone while its siblings go on. Each fault fires at most once per process. Nothing fires unless a fault is configured (``--fault`` /
 ``ElasticConfig.fault`` / ``$MONARCH_PLUGIN_FAULT``).
 """
 
@@ -38,7 +42,7 @@ from monarch_plugin.errors import ConfigError
 
 __all__ = ["FaultSpec", "InjectedFault", "parse_faults", "MODES", "POINTS"]
 
-MODES = ("sigkill", "exit", "segv", "hang", "stop", "raise")
+MODES = ("sigkill", "exit", "segv", "hang", "stop", "gil", "raise")
 POINTS = ("step", "arrived", "construct", "heal_donor", "heal_recipient")
 
 
@@ -52,6 +56,7 @@ class FaultSpec:
     step: int | None = None
     replica: int | None = None
     at: str = "step"
+    lane: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -66,7 +71,7 @@ class FaultSpec:
                     raise ConfigError(f"unknown fault point at={value!r} in {text!r}: choose one of {', '.join(POINTS)}")
                 fields["at"] = value
                 continue
-            if not sep or key not in ("replica", "step") or not value.lstrip("-").isdigit():
+            if not sep or key not in ("replica", "step", "lane") or not value.lstrip("-").isdigit():
                 raise ConfigError(
                     f"bad fault field {part!r} in {text!r}: write it as e.g. 'sigkill:replica=1:step=20' "
                     "or 'sigkill:replica=3:at=construct'"
@@ -76,8 +81,10 @@ class FaultSpec:
             raise ConfigError(f"fault {text!r} needs a step, e.g. '{mode}:replica=1:step=20', or a point (at=)")
         return cls(mode=mode, **fields)
 
-    def targets(self, replica_id: int, initial: bool) -> bool:
-        """Whether this replica may be hit at all (see the module docstring)."""
+    def targets(self, replica_id: int, initial: bool, lane: int = 0) -> bool:
+        """Whether this proc (`lane` of replica `replica_id`) may be hit at all (see the module docstring)."""
+        if self.lane is not None and self.lane != lane:
+            return False
         return self.replica == replica_id if self.replica is not None else initial
 
     def applies(self, replica_id: int, step: int, at: str = "step") -> bool:
@@ -101,6 +108,10 @@ class FaultSpec:
         elif self.mode == "hang":
             while True:
                 time.sleep(3600)
+        elif self.mode == "gil":
+            import re
+
+            re.match(r"(a|aa)+$", "a" * 80 + "b")  # backtracks for ages inside one C call, the GIL held
         raise InjectedFault(f"injected fault {self.mode} at {self.at if self.at != 'step' else f'step {self.step}'}")
 
 

@@ -109,7 +109,8 @@ class WorkerContext:
 
     def __post_init__(self) -> None:
         self.events = EventLog(self.config.events_path, source=f"replica{self.replica_id}.{self.local_rank}")
-        self.faults = [f for f in parse_faults(self.config.fault) if f.targets(self.replica_id, self.initial)]
+        self.faults = [f for f in parse_faults(self.config.fault)
+                       if f.targets(self.replica_id, self.initial, self.local_rank)]
         self.flags = flags
         self.newest_checkpoint: Callable[[], str | None] | None = None
         """The front end's finder of its newest checkpoint (`StepTransaction`), for `ControlActor.newest_checkpoint`."""

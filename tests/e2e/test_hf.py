@@ -154,6 +154,27 @@ def test_sigkill_of_the_writer_mid_epoch_train_survives_shrinks_regrows_exactly(
 
 
 @pytest.mark.timeout(240)
+def test_the_last_holder_dying_mid_heal_stops_the_run_naming_the_newest_save_steps_checkpoint(hf_run):
+    """The only replica holding the run's state (its main one, the writer) dies serving the replacement's heal: the
+    replacement never trains from its own weights and nothing is saved from them; the run stops, exit 1, naming
+    the newest `checkpoint-N` of `output_dir` to resume from (HF's own checkpoints are not restored mid-run)."""
+    run = hf_run().start("--replicas", "2", "--min-replicas", "1",
+                         "--fault", "sigkill:replica=1:step=6,sigkill:replica=0:at=heal_donor:step=1", script_args=(
+                             "--replicas", "2", "--samples", "96", "--epochs", "3", "--save-steps", "4",
+                             "--step-sleep", "0.05"))
+    assert run.wait(timeout=200) == 1, run.output
+    saved = sorted((run.out / "hf").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert saved, "no save_steps checkpoint was written before the holder died"
+    [give_up] = run.events("give_up")
+    assert give_up["checkpoint"] is None and give_up["resume_from"] == str(saved[-1]), (give_up, saved)
+    assert f"resume from {saved[-1]}, the newest checkpoint" in run.output
+    assert "the last replica holding the run's trained state died before another had healed from it" in run.output
+    assert not [e for e in run.events("first_commit") if e["replica"] == 2], "the replacement trained from nothing"
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)
+
+
+@pytest.mark.timeout(240)
 def test_failure_free_run_matches_torchrun_ddp_and_a_give_up_checkpoint_resumes_exactly(hf_run):
     # HF's own AdamW and linear schedule, clipping that bites (grad norms here are ~0.7), accumulation, shuffling.
     common = ("--replicas", "2", "--optimizer", "hf", "--batch", "4", "--accumulate", "2", "--samples", "96",

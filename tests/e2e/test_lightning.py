@@ -398,6 +398,23 @@ def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightni
     _resumed_like_one_process(resumed, single, steps=12)
 
 
+def test_the_last_holder_dying_mid_heal_stops_fit_naming_the_newest_modelcheckpoint_file(lightning_run):
+    """The only replica holding the run's state dies serving the replacement's heal: fit raises ElasticRunAborted
+    in the user's process naming ModelCheckpoint's newest file, and the replacement never trained from its own
+    weights (nothing was saved from them either)."""
+    run = lightning_run().start("--devices", "2", "--epochs", "3", "--checkpoint-every", "4", "--step-sleep", "0.05",
+                                "--fault", "sigkill:replica=1:step=6,sigkill:replica=0:at=heal_donor:step=1")
+    assert run.wait(timeout=200) == 1, run.output
+    saved = sorted((run.out / "ckpts").glob("step=*.ckpt"), key=lambda p: int(p.stem.split("=")[1]))
+    assert saved, "no ModelCheckpoint file was written before the holder died"
+    [give_up] = run.events("give_up")
+    assert give_up["checkpoint"] is None and give_up["resume_from"] == str(saved[-1]), (give_up, saved)
+    assert "ElasticRunAborted" in run.output and f"resume from {saved[-1]}, the newest checkpoint" in run.output
+    assert not [e for e in run.events("first_commit") if e["replica"] == 2], "the replacement trained from nothing"
+    for pids in run.pids().values():
+        assert not any(alive(p) for p in pids)
+
+
 @pytest.mark.timeout(300)
 def test_lost_controller_costs_the_steps_since_modelcheckpoint_and_fit_resumes_exactly_on_fewer_replicas(
         lightning_run):

@@ -109,3 +109,74 @@ def test_a_ready_replica_counts_towards_min_replicas_with_the_survivor_it_heals_
     for epoch, counts in enumerate(results[0]["seen"]):  # replica 0 trained from the start to the end
         assert set(counts) == {1.0}, f"epoch {epoch}: {counts}"
     _no_orphans(run)
+
+
+def test_a_replacement_stuck_before_its_training_loop_is_replaced_after_join_timeout(elastic_run):
+    """The first replacement hangs while starting (its process answers; its training code never gets to the loop):
+    it is treated as hung `--join-timeout` after its spawn began, as the initial replicas are, and the next one
+    joins. It used to hold its slot, and the survivor's wait for a regrow, forever."""
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "1", "--join-timeout", "10", "--fault", "sigkill:replica=1:step=5",
+              script=WORKLOADS / "hangs_when_replaced.py",
+              script_args=("2", "--replicas", "2", "--hold-for-regrow-from", "8", "--epochs", "6", "--samples", "256",
+                           "--batch", "16", "--out", str(run.out)))
+    assert run.wait(timeout=200) == 0, run.output
+    [hang] = run.events("hang")
+    assert hang["replica"] == 2 and hang["detected_by"] == "hang (never ready)", hang
+    assert "`join_timeout_s`" in hang["why"] or "--join-timeout" in hang["why"], hang
+    spawned = next(e for e in run.events("respawn_scheduled"))["ts"]
+    assert 10 <= hang["ts"] - spawned < 10 + 5, hang["ts"] - spawned
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1], [0], [0, 3]]
+    results = run.results()
+    assert set(results) == {0, 3} and len({r["checksum"] for r in results.values()}) == 1
+    for epoch, counts in enumerate(results[0]["seen"]):
+        assert set(counts) == {1.0}, f"epoch {epoch}: {counts}"
+    _no_orphans(run)
+
+
+def test_one_stuck_proc_of_a_two_proc_replica_replaces_the_replica_whole(elastic_run):
+    """Local rank 1 of replica 1 stops making progress in step 5, its process answering, while its sibling waits
+    for it inside the replica's own all-reduce (DDP's, inside a replica): the replica is found (by the probe, or by
+    the vote of its procs timing out) and replaced whole, and the replacement heals shard by shard."""
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "1", "--procs-per-replica", "2", "--collective-timeout", "3",
+              "--join-timeout", "120", "--fault", "hang:replica=1:lane=1:step=5",
+              script=WORKLOADS / "two_procs_per_replica.py", script_args=(str(run.out), "60"))
+    assert run.wait(timeout=200) == 0, run.output
+    [fired] = run.events("fault_injected")
+    assert fired["source"] == "replica1.1" and fired["step"] == 5
+    [hang] = run.events("hang")
+    assert hang["replica"] == 1 and hang["detected_by"] in ("hang", "reported unfit"), hang
+    assert [d["replica"] for d in run.events("death")] == [1]
+    results = [json.loads(p.read_text()) for p in run.out.glob("result-*.json")]
+    assert sorted((r["replica"], r["local_rank"]) for r in results) == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert {r["checksum"] for r in results} == {results[0]["checksum"]} and {r["step"] for r in results} == {60}
+    survivor = [r for r in results if r["replica"] == 0]  # its two procs together saw each sample once an epoch
+    counts = [[a + b for a, b in zip(*epoch)] for epoch in zip(*(r["seen"] for r in survivor))]
+    for epoch in counts[:3]:
+        assert set(epoch) == {1.0}, counts
+    _no_orphans(run)
+
+
+def test_two_wedged_replicas_are_probed_together_and_lost_in_one_generation_change(elastic_run):
+    """Replicas 1 and 2 wedge in step 5 holding Python's GIL (their processes, and Monarch's supervision of them,
+    still answer; their control actors do not): the survivor's reduction stalls, and one probe asks both at once,
+    so both are found within one probe deadline, not one after the other, and lost in one generation change."""
+    run = elastic_run()
+    run.start("--replicas", "3", "--min-replicas", "1", "--collective-timeout", "2", "--join-timeout", "120",
+              "--fault", "gil:replica=1:step=5,gil:replica=2:step=5",
+              script_args=("--epochs", "10", "--samples", "256", "--batch", "16", "--step-sleep", "0.05",
+                           "--out", str(run.out)))
+    assert run.wait(timeout=200) == 0, run.output
+    wedged_at = max(e["ts"] for e in run.events("fault_injected"))
+    hangs = [e for e in run.events("hang") if e["replica"] in (1, 2)]
+    assert sorted(e["replica"] for e in hangs) == [1, 2], run.events("hang")
+    assert all(e["why"].startswith("no answer from its control actor") for e in hangs), hangs
+    assert abs(hangs[0]["ts"] - hangs[1]["ts"]) < 1.0, hangs  # one deadline for both
+    assert hangs[-1]["ts"] - wedged_at < 2 + 0.5 + 5 + 3.0, hangs[-1]["ts"] - wedged_at  # timeout, grace, one probe
+    assert [q["members"] for q in run.events("quorum")][:2] == [[0, 1, 2], [0]]
+    results = run.results()
+    assert 0 in results and len({r["checksum"] for r in results.values()}) == 1
+    for epoch, counts in enumerate(results[0]["seen"]):
+        assert set(counts) == {1.0}, f"epoch {epoch}: {counts}"
+    _no_orphans(run)

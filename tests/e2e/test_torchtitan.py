@@ -188,6 +188,25 @@ def test_too_few_replicas_stop_with_a_torchtitan_checkpoint_that_resumes_exactly
         assert not any(alive(pid) for pid in replica_pids)
 
 
+def test_the_last_holder_dying_mid_heal_stops_the_job_naming_the_newest_complete_checkpoint(titan_run):
+    """Both procs of the only replica holding the run's state die serving the replacement's heal, shard by shard:
+    the job stops (torchtitan's checkpoints are loaded on the next start, not mid-run), naming the newest complete
+    `step-N`, and the replacement never trained from its own weights."""
+    run = titan_run().start("--monarch.min_replicas", "1", "--checkpoint.enable", "--checkpoint.interval", "2",
+                            "--checkpoint.no-last-save-model-only", "--probe.step_sleep", "0.2",
+                            "--monarch.fault", "sigkill:replica=1:step=4,sigkill:replica=0:at=heal_donor:step=1")
+    assert run.wait(timeout=200) == 1, run.output
+    folder = run.out / "checkpoint"
+    complete = sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*") if (p / ".metadata").exists())
+    assert complete, "no complete checkpoint was written before the holder died"
+    [give_up] = run.events("give_up")
+    assert give_up["checkpoint"] is None and give_up["resume_from"] == str(folder / f"step-{complete[-1]}"), give_up
+    assert f"resume from {folder / f'step-{complete[-1]}'}, the newest checkpoint" in run.output
+    assert not [e for e in run.events("first_commit") if e["replica"] == 2], "the replacement trained from nothing"
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)
+
+
 @pytest.mark.timeout(360)
 def test_lost_controller_costs_the_steps_since_the_checkpoint_interval_and_resumes_exactly_on_one_replica(titan_run):
     """`python -m torchtitan.train`, the controller, is SIGKILLed between two checkpoints: its procs end with it.

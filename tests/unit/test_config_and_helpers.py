@@ -181,6 +181,8 @@ def test_fault_points_and_lists():
     assert construct.targets(3, initial=False) and not construct.targets(2, initial=True)
     unnamed = FaultSpec.parse("raise:step=3")
     assert unnamed.targets(0, initial=True) and not unnamed.targets(5, initial=False)
+    one_proc = FaultSpec.parse("hang:replica=1:lane=1:step=5")
+    assert one_proc.targets(1, initial=True, lane=1) and not one_proc.targets(1, initial=True, lane=0)
     assert parse_faults(None) == () and parse_faults("") == ()
     with pytest.raises(ConfigError, match="unknown fault point at='somewhere'.*choose one of step, arrived"):
         parse_faults("sigkill:replica=1:step=5,sigkill:at=somewhere")
