@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -708,7 +708,8 @@ class ElasticController:
 
     def _newest_checkpoint(self, live: list[int]) -> str | None:
         """The checkpoint to resume a stopped run from, when none was written on the way out: the newest one the
-        front end's own checkpointing holds, as a live replica's control actor names it; else this run's own."""
+        front end's own checkpointing holds (Lightning's, HF's, torchtitan's), as a live replica's control actor
+        names it; else this run's own (`ElasticLoop`'s)."""
         for m in live:
             try:
                 found = self.replicas[m].control.newest_checkpoint.call().get(timeout=_PROBE_TIMEOUT_S)
@@ -739,7 +740,7 @@ class ElasticController:
         return (f", and no live replica holds the run's trained state any more: replicas {members} restore "
                 f"{checkpoint} and train again what the run trained after its step {step_of(checkpoint)}")
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, reason: str) -> NoReturn:
         """Stop the run on purpose: the live members that hold the run's state write one durable checkpoint, then
         everything stops. With none holding it, nothing is written (a replica's own weights would be a checkpoint
         the run never trained) and the message names the newest checkpoint on disk to resume from."""

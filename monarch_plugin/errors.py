@@ -30,10 +30,11 @@ class MissingExtraError(ImportError):
 
 
 class ElasticRunAborted(RuntimeError):
-    """The controller stopped the run on purpose (too few replicas, crash loop).
+    """The controller stopped the run on purpose (too few replicas, a crash loop, no replica left holding the
+    run's trained state).
 
-    ``checkpoint`` is the path of the durable checkpoint written on the way out, or None when no live
-    replica was left to write one.
+    ``checkpoint`` is the checkpoint to resume the run from: the durable one written on the way out or, when no
+    live replica held the run's state to write one, the newest one found on disk; None when there is none.
     """
 
     def __init__(self, message: str, checkpoint: str | None = None):

@@ -110,8 +110,7 @@ class ElasticLoop:
             )
         self.tx = (
             StepTransaction(self.ctx, self, list(model.parameters()), buffers_of=[model], overlap=overlap,
-                            give_up=self._write_checkpoint, restore=self._restore,
-                            newest_checkpoint=lambda: newest(self.config.checkpoint_dir, self.ctx.procs_per_replica))
+                            give_up=self._write_checkpoint, restore=self._restore)
             if self.ctx else None
         )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]

@@ -253,7 +253,7 @@ class ReplicaSession:
         wait_all([self.pg.allgather([everyone], [mine])], self.flags, self.gen, FORMATION_BOUND_S)
         steps = [int(t[0]) for t in everyone]
         fresh = [bool(t[1]) for t in everyone]
-        self.newest_seen = max(self.newest_seen, *(n for n, held in zip(steps, holders) if held))
+        self.newest_seen = max([self.newest_seen, *(n for n, held in zip(steps, holders) if held)])
         plan = plan_heal(steps, fresh, holders, self.ctx.config.heal_donors)
         if plan is None or self.rank not in (*plan.donors, *plan.recipients):
             self.fresh = False

@@ -329,6 +329,32 @@ def test_recovery_report_says_why_a_replacement_never_trained():
     assert "died before it trained" in text and "None" not in text
 
 
+def test_recovery_report_of_a_restore_says_what_is_trained_again_never_no_step_lost():
+    """The last holder (replica 0) dies serving replica 2's heal: the next generation restores step 10's checkpoint
+    though the run had committed 14 steps."""
+    from monarch_plugin.report import format_recovery, format_summary, recoveries
+
+    events = [
+        {"ts": 1.0, "event": "quorum", "gen": 0, "members": [0, 1], "action": "train"},
+        {"ts": 2.0, "event": "death", "replica": 1, "detected_by": "pidfd", "gen": 0},
+        {"ts": 2.0, "event": "quorum", "gen": 1, "members": [0], "action": "train"},
+        {"ts": 2.1, "event": "first_commit", "replica": 0, "gen": 1, "step": 8},
+        {"ts": 2.6, "event": "spawn", "replica": 2, "seconds": 0.5, "pids": [9]},
+        {"ts": 2.7, "event": "quorum", "gen": 2, "members": [0, 2], "action": "train"},
+        {"ts": 2.8, "event": "death", "replica": 0, "detected_by": "pidfd", "gen": 2},
+        {"ts": 2.8, "event": "quorum", "gen": 3, "members": [2], "action": "restore", "checkpoint": "/c/s10.pt"},
+        {"ts": 2.8, "event": "restore", "gen": 3, "members": [2], "path": "/c/s10.pt", "step": 10},
+        {"ts": 2.9, "event": "restored", "replica": 2, "gen": 3, "step": 10, "newest_seen": 14},
+        {"ts": 3.0, "event": "first_commit", "replica": 2, "gen": 3, "step": 10},
+    ]
+    second = recoveries(events)[1]
+    assert (second.restored_step, second.redone_steps, second.restored_by) == (10, 4, [2])
+    text = format_recovery(second)
+    assert "no step lost" not in text
+    assert "replicas [2] restored the checkpoint of step 10, and train again the 4 step(s)" in text
+    assert any("restored step 10, 4 redone" in line for line in format_summary(events))
+
+
 # A torchtitan run's events (`--monarch.fault sigkill:replica=0:step=3`, 2 replicas x 2 procs, `--training.steps 6`),
 # trimmed to the fields the report reads: the writer (replica 0) dies, the survivor reaches step 6 alone and the run
 # ends 5 s after replica 2 was spawned for it, before replica 2 could join a generation.
