@@ -19,7 +19,8 @@ logger = logging.getLogger("monarch_plugin")
 
 LEVELS = {
     **dict.fromkeys(("spawn", "ready", "quorum", "join", "join_retry", "dropped_step", "heal", "first_commit",
-                     "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver", "restored"), logging.DEBUG),
+                     "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver", "restored"),
+                    logging.DEBUG),
     **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "give_up",
                      "host_unreachable", "host_refused", "unfit", "host_watch_error"), logging.WARNING),
 }

@@ -26,8 +26,8 @@ replica reaches it (after its committed step reaches `step=`, when given):
 A fault that names `replica=` hits that replica id, a replacement or a spare included (ids are given in
 spawn order: the initial replicas, then the spares, then each replacement). One without `replica=` hits
 only replicas spawned at the start, so a replacement that heals past the step does not die again. `lane=`
-narrows it to one proc of a replica of several (its local rank): "hang:replica=1:lane=1:step=5" stalls that
-proc alone while its siblings go on. Each fault fires at most once per process. Nothing fires unless a fault is configured (``--fault`` /
+narrows it to one proc of a replica of several (its local rank): "hang:replica=1:lane=1:step=5" stalls
+that proc alone while its siblings go on. Each fault fires at most once per process. Nothing fires unless a fault is configured (``--fault`` /
 ``ElasticConfig.fault`` / ``$MONARCH_PLUGIN_FAULT``).
 """
 

@@ -105,7 +105,8 @@ def recoveries(events: list[dict]) -> list[Recovery]:
                 # The steps committed after the checkpoint: the newest recorded (progress is recorded once a
                 # second), or seen by a restoring replica when it last joined a holder.
                 recorded = [c.step + 1 for c in commits(events) if c.ts <= death["ts"]]
-                seen = [e.get("newest_seen", -1) for e in events if e["event"] == "restored" and e["gen"] == shrink["gen"]]
+                seen = [e.get("newest_seen", -1) for e in events
+                        if e["event"] == "restored" and e["gen"] == shrink["gen"]]
                 rec.redone_steps = max(0, max(recorded + seen, default=0) - restore["step"])
         claimed = {r.replacement for r in found}
         new = next((m for q in after for m in q["members"] if m not in members_before and m not in claimed), None)
@@ -147,8 +148,8 @@ def format_recovery(rec: Recovery) -> str:
     if rec.restored_step is not None:
         lines.append(f"  no live replica held the run's trained state any more: replicas {rec.restored_by} restored "
                      f"the checkpoint of step {rec.restored_step}, and train again the {rec.redone_steps} step(s) "
-                     f"committed after it (as far as recorded); next committed step {ms(p['kill_to_next_commit'])} after the "
-                     f"{'kill' if rec.killed_at else 'detection'}")
+                     f"committed after it (as far as recorded); next committed step "
+                     f"{ms(p['kill_to_next_commit'])} after the {'kill' if rec.killed_at else 'detection'}")
     elif rec.survivors:
         dropped = f"dropped step {rec.dropped_steps}" if rec.dropped_steps else "no step lost"
         lines.append(f"  survivors {rec.survivors} kept training: next committed step {ms(p['kill_to_next_commit'])} "
