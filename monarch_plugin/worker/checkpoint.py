@@ -51,6 +51,17 @@ def save(state: dict, path: str) -> None:
         os.close(fd)
 
 
+def _complete(paths: list[str]) -> list[tuple[int, int, str]]:
+    """(step, lanes, directory) of each checkpoint all of whose files are among `paths`."""
+    have: dict[tuple[int, int, str], set[int]] = {}
+    for path in paths:
+        match = _NAME.fullmatch(os.path.basename(path))
+        if match:
+            key = (int(match["step"]), int(match["lanes"]), os.path.dirname(path))
+            have.setdefault(key, set()).add(int(match["lane"]))
+    return [key for key, found in have.items() if found == set(range(key[1]))]
+
+
 def newest(directory: str, lanes: int) -> str | None:
     """Lane 0's file of the newest complete checkpoint in `directory` for replicas of `lanes` procs; None if there
     is none. ConfigError if the directory holds checkpoints only of replicas of another size (FSDP shards do not
@@ -59,16 +70,11 @@ def newest(directory: str, lanes: int) -> str | None:
         names = os.listdir(directory)
     except FileNotFoundError:
         return None
-    files: dict[tuple[int, int], set[int]] = {}
-    for name in names:
-        match = _NAME.fullmatch(name)
-        if match:
-            files.setdefault((int(match["step"]), int(match["lanes"])), set()).add(int(match["lane"]))
-    complete = [(step, k) for (step, k), have in files.items() if have == set(range(k))]
-    mine = [step for step, k in complete if k == lanes]
+    complete = _complete([os.path.join(os.path.abspath(directory), name) for name in names])
+    mine = [step for step, k, _ in complete if k == lanes]
     if mine:
         return os.path.join(os.path.abspath(directory), file_name(max(mine), 0, lanes))
-    others = sorted({k for _, k in complete})
+    others = sorted({k for _, k, _ in complete})
     if others:
         raise ConfigError(f"`checkpoint_dir` {directory} holds checkpoints of replicas of {others} proc(s), and this "
                           f"run's have {lanes}: resume with `procs_per_replica` {others[-1]}, or set another "
@@ -79,12 +85,7 @@ def newest(directory: str, lanes: int) -> str | None:
 def newest_written(paths: list[str], lanes: int) -> str | None:
     """Lane 0's file of the newest checkpoint (for replicas of `lanes` procs) of which every file is among `paths`
     (what a run recorded writing) and still on disk; None if there is none."""
-    have: dict[tuple[str, int], set[int]] = {}
-    for path in paths:
-        match = _NAME.fullmatch(os.path.basename(path))
-        if match and int(match["lanes"]) == lanes and os.path.exists(path):
-            have.setdefault((os.path.dirname(path), int(match["step"])), set()).add(int(match["lane"]))
-    complete = [(step, directory) for (directory, step), found in have.items() if found == set(range(lanes))]
+    complete = [(step, d) for step, k, d in _complete([p for p in paths if os.path.exists(p)]) if k == lanes]
     if not complete:
         return None
     step, directory = max(complete)

@@ -280,8 +280,7 @@ class ReplicaSession:
             # Past its bound: never waited for. The controller treats the recipients as hung (unless a probe finds
             # a member that stopped answering, which is then the one at fault).
             for recipient in recipients:
-                self.ctx.store.append(Key.unfit(self.gen), unfit_line(recipient, "its heal did not finish within "
-                                                                                   "its bound"))
+                self.report_unfit(self.gen, "its heal did not finish within its bound", recipient)
             self.ctx.events.emit("heal_abandoned", gen=self.gen, donor=donors[0], donors=donors,
                                  recipients=recipients, reason=str(e))
             raise
@@ -313,11 +312,12 @@ class ReplicaSession:
                              seconds=round(time.time() - t0, 4), newest_seen=self.newest_seen)
         return step
 
-    def report_unfit(self, gen: int, why: str) -> None:
-        """Tell the controller this replica cannot go on in generation `gen` although its procs answer: it is
-        replaced as a hung one is."""
-        self.ctx.events.emit("unfit", replica=self.ctx.replica_id, gen=gen, why=why)
-        self.ctx.store.append(Key.unfit(gen), unfit_line(self.ctx.replica_id, why))
+    def report_unfit(self, gen: int, why: str, replica: int | None = None) -> None:
+        """Tell the controller a replica (this one, unless named) cannot go on in generation `gen` although its procs
+        answer: it is replaced as a hung one is."""
+        replica = self.ctx.replica_id if replica is None else replica
+        self.ctx.events.emit("unfit", replica=replica, gen=gen, why=why)
+        self.ctx.store.append(Key.unfit(gen), unfit_line(replica, why))
         self.ctx.store.add(Key.stalled(gen), 1)
 
     # -- steps ---------------------------------------------------------------------------------------

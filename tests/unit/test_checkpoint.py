@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from monarch_plugin import ConfigError, ElasticConfig
-from monarch_plugin.worker.checkpoint import CheckpointWriter, file_name, lane_file, newest, save
+from monarch_plugin.worker.checkpoint import CheckpointWriter, file_name, lane_file, newest, newest_written, save
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,6 +26,20 @@ def test_only_a_checkpoint_with_every_lane_in_place_is_taken_and_a_torn_write_ne
     assert found == str(tmp_path / "step00000010-local0-of2.pt")
     assert torch.load(lane_file(found, 1))["lane"] == 1 and torch.load(found)["step"] == 10
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p and "step00000005" in p]  # renamed into place
+
+
+def test_a_run_restores_only_a_checkpoint_it_recorded_writing_whole_and_still_on_disk(tmp_path):
+    recorded = []
+    for step, lanes in ((5, (0, 1)), (10, (0, 1)), (15, (0,))):  # step 15: lane 1 never got written
+        for lane in lanes:
+            recorded.append(str(tmp_path / file_name(step, lane, 2)))
+            save({"step": step}, recorded[-1])
+    save({"step": 20}, str(tmp_path / file_name(20, 0, 2)))  # another run's, in the same directory
+    save({"step": 20}, str(tmp_path / file_name(20, 1, 2)))
+    assert newest_written(recorded, lanes=2) == str(tmp_path / file_name(10, 0, 2))
+    os.remove(tmp_path / file_name(10, 1, 2))  # pruned since
+    assert newest_written(recorded, lanes=2) == str(tmp_path / file_name(5, 0, 2))
+    assert newest_written(recorded, lanes=1) is None and newest_written([], lanes=2) is None
 
 
 def test_no_checkpoint_yet_and_checkpoints_of_another_replica_size(tmp_path):
