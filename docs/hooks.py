@@ -2,8 +2,9 @@
 
 * `index.md`, `<!-- generated: readme-commands -->`: README's two commands (the demo, the tests), verbatim.
 * `reference.md`, `<!-- generated: config-reference -->`: every `ElasticConfig` setting with its type, default and
-  docstring, and how each front end spells it: `monarch-run`'s parser (`cli.build_parser`), the Lightning
-  strategies' `ARGUMENTS`, torchtitan's `MonarchConfig` and the `elastic_config` that maps it onto the runtime's.
+  docstring, and how each front end spells it: `monarch-run`'s parser (`cli.build_parser`); the Lightning
+  strategies and torchtitan's `MonarchConfig` take each field under its own name, but for those their framework's
+  own arguments set (`FROM_TRAINER`, `OWNED`) and `LOOP_ONLY`.
 * `troubleshooting.md`, `<!-- generated: error-messages -->`: every message the product raises to its users or
   prints on stderr, found by reading `monarch_plugin/` and `integrations/` (AST), grouped by module.
 * A link from a page to a repository file outside `docs/` (`../tests/unit/test_docs.py`) points at
@@ -41,7 +42,7 @@ if sys.path[:1] != [str(ROOT)]:
 import monarch_plugin  # noqa: E402 - after the checkout is first on sys.path
 from monarch_plugin import errors  # noqa: E402
 from monarch_plugin.cli import build_parser  # noqa: E402
-from monarch_plugin.config import ElasticConfig, field_docs  # noqa: E402
+from monarch_plugin.config import LOOP_ONLY, ElasticConfig, field_default, field_docs  # noqa: E402
 
 __all__ = ["ROOT", "GENERATED", "INTERNAL", "SCANNED", "USER_FACING", "Message", "config_reference", "error_messages",
            "fill_markers", "readme_commands", "repo_links", "troubleshooting", "on_config", "on_page_markdown"]
@@ -106,57 +107,38 @@ def readme_commands(readme: str) -> str:
 
 @dataclass(frozen=True)
 class _FrontEnds:
-    """How the Lightning strategies and torchtitan's `--monarch.*` section spell the runtime's settings (read
-    from their source)."""
+    """What the Lightning strategies and torchtitan's `--monarch.*` section say of the runtime's settings beyond
+    their names, read from their source: both take every `front_end_fields` field under its own name."""
 
     lightning: dict[str, str]
-    """`ElasticConfig` field -> the `MonarchStrategy` keyword argument that sets it."""
+    """Field -> the Lightning arguments that set it instead of a keyword argument (`FROM_TRAINER`)."""
     lightning_notes: dict[str, str]
-    """Field -> what the Lightning argument means where it means more than the field (`_LIGHTNING_DOCS`)."""
+    """Field -> what the Lightning argument means where it means more than the field (`_NOTES`)."""
     lightning_doc: str
-    """`ARGUMENTS`' docstring: which settings come from Lightning's own `devices` and `num_nodes`."""
+    """`FROM_TRAINER`'s docstring."""
     titan: dict[str, str]
-    """Field -> the value `elastic_config` gives it, as source (`monarch.replicas`)."""
-    titan_fields: dict[str, tuple[str, str, str]]
-    """`MonarchConfig` field -> (its type, its default as source, its docstring)."""
+    """Field -> the torchtitan setting that gives it instead of `--monarch.<field>` (`OWNED`)."""
+    titan_notes: dict[str, str]
+    titan_enable: str
+    """The docstring of `--monarch.enable`, the section's one setting of its own (`ENABLE`)."""
 
 
-def _module_assignment(tree: ast.Module, name: str) -> tuple[ast.expr, str | None]:
-    """The value assigned to the module-level `name`, and the docstring under it (None without one)."""
+def _literal(tree: ast.Module, name: str) -> tuple[object, str]:
+    """The literal value assigned to the module-level `name`, and the docstring under it."""
     for node, after in itertools.zip_longest(tree.body, tree.body[1:]):
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else None
-            return node.value, doc
+            doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
+            return ast.literal_eval(node.value), " ".join(doc.split())
     raise PluginError(f"no module-level `{name} = ...` in the source read for the docs: update docs/hooks.py")
 
 
-def _class_fields(cls: ast.ClassDef) -> dict[str, tuple[str, str, str]]:
-    """Each annotated field of a dataclass body: (type, default as source, docstring joined on one line)."""
-    fields = {}
-    for node, after in itertools.zip_longest(cls.body, cls.body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            doc = after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
-            default = ast.unparse(node.value) if node.value is not None else ""
-            fields[node.target.id] = (ast.unparse(node.annotation), default, " ".join(doc.split()))
-    return fields
-
-
 def _front_ends(root: Path) -> _FrontEnds:
-    """The Lightning and torchtitan spellings, read from `integrations/` as source."""
+    """The Lightning and torchtitan notes, read from `integrations/` as source."""
     launcher = ast.parse((root / "integrations/lightning/launcher.py").read_text())
-    arguments, arguments_doc = _module_assignment(launcher, "ARGUMENTS")
-    lightning = {field: name for name, field in ast.literal_eval(arguments).items()}
-    notes = ast.literal_eval(_module_assignment(launcher, "_LIGHTNING_DOCS")[0])
-    titan_tree = ast.parse((root / "integrations/torchtitan/config.py").read_text())
-    nodes = {n.name: n for n in titan_tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
-    calls = [n for n in ast.walk(nodes.get("elastic_config", ast.Module([], []))) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Name) and n.func.id == "ElasticConfig"]
-    if "MonarchConfig" not in nodes or not calls:
-        raise PluginError("integrations/torchtitan/config.py has no MonarchConfig, or no elastic_config building an "
-                          "ElasticConfig: update docs/hooks.py to where the torchtitan section is defined now")
-    titan = {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
-    return _FrontEnds(lightning, notes, " ".join((arguments_doc or "").split()), titan,
-                      _class_fields(nodes["MonarchConfig"]))
+    titan = ast.parse((root / "integrations/torchtitan/config.py").read_text())
+    lightning, lightning_doc = _literal(launcher, "FROM_TRAINER")
+    return _FrontEnds(lightning, _literal(launcher, "_NOTES")[0], lightning_doc, _literal(titan, "OWNED")[0],
+                      _literal(titan, "_NOTES")[0], _literal(titan, "ENABLE")[0])
 
 
 def _code(text: object) -> str:
@@ -185,47 +167,9 @@ def _flag(action: argparse.Action | None, kind: str) -> str:
     return _code(f"{flag} {value}") + comma
 
 
-def _titan_default(source: str) -> object:
-    """A `MonarchConfig` default's value: a literal, `ElasticConfig.<field>`, a product of those, or
-    `field(default_factory=list)`; the source text for anything else."""
-
-    def value(node: ast.expr) -> object:
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ElasticConfig":
-            return getattr(ElasticConfig, node.attr)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-            return value(node.left) * value(node.right)
-        if isinstance(node, ast.Call) and ast.unparse(node.func) == "field":
-            return {"list": [], "dict": {}}[ast.unparse(node.keywords[0].value)]
-        return ast.literal_eval(node)
-
-    try:
-        return value(ast.parse(source, mode="eval").body)
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return source
-
-
-def _titan(field: str, default: object, fronts: _FrontEnds) -> tuple[str, str | None]:
-    """torchtitan's spelling of a field, and its own docstring where its default is not the runtime's."""
-    source = fronts.titan.get(field)
-    if source is None:
-        return "not settable: the runtime's default applies", None
-    used = re.findall(r"\bmonarch\.(\w+)", source)
-    if not used:
-        return f"not a flag: set from {_code(source)}", None
-    name = used[0]
-    text = _code(f"--monarch.{name}")
-    if source != f"monarch.{name}":
-        text += f" (as {_code(source)})"
-    _, titan_default, doc = fronts.titan_fields[name]
-    value = _titan_default(titan_default)
-    if value != default:
-        return text + f", default {_code(repr(value))}", doc
-    return text, None
-
-
 def config_reference(root: Path = ROOT) -> str:
     """The reference's generated part: an overview table of every `ElasticConfig` setting, then a section each
-    (type, default, docstring, and every front end's spelling), then the settings only torchtitan has."""
+    (type, default, docstring, and every front end's spelling), then torchtitan's own `--monarch.enable`."""
     fronts = _front_ends(root)
     docs = field_docs()
     fields = dataclasses.fields(ElasticConfig)
@@ -234,19 +178,22 @@ def config_reference(root: Path = ROOT) -> str:
     table = ["| setting | type | default | `monarch-run` (and HF) | Lightning `MonarchStrategy(...)` | torchtitan |",
              "|---|---|---|---|---|---|"]
     sections = []
+    loop_only = "not taken: `ElasticLoop`'s own (the framework keeps the global batch and its checkpoints its own way)"
     for f in fields:
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        default = field_default(f)
         action = actions.get(f.name)
         run = _flag(action, f.type)
-        if f.name in fronts.lightning:
-            lightning = lightning_cell = _code(fronts.lightning[f.name])
-        elif f"`{f.name}`" in fronts.lightning_doc:
-            lightning = "from Lightning's own arguments (see [Lightning](#lightning))"
-            lightning_cell = "[see Lightning](#lightning)"
+        if f.name in LOOP_ONLY:
+            lightning = titan = loop_only
+            lightning_cell = titan_cell = "—"
         else:
-            lightning, lightning_cell = "not settable: the runtime's default applies", "—"
-        titan, titan_doc = _titan(f.name, default, fronts)
-        titan_cell = titan[:titan.index("`", 1) + 1] if titan.startswith("`") else "—"
+            lightning = lightning_cell = _code(f.name)
+            if f.name in fronts.lightning:
+                lightning = f"from Lightning's own arguments: {fronts.lightning[f.name]}"
+                lightning_cell = "[see Lightning](#lightning)"
+            titan = titan_cell = _code(f"--monarch.{f.name}")
+            if f.name in fronts.titan:
+                titan, titan_cell = f"not a flag: set from {fronts.titan[f.name]}", "—"
         run_cell = _code(action.option_strings[0]) if action else "—"
         table.append(f"| [`{f.name}`](#{f.name}) | {_code(f.type.replace(' | ', ' or '))} | {_code(repr(default))} "
                      f"| {run_cell} | {lightning_cell} | {titan_cell} |")
@@ -254,21 +201,17 @@ def config_reference(root: Path = ROOT) -> str:
                 f"| Python | `ElasticConfig({f.name}=...)` |"]
         section = [f"### `{f.name}`", "", f"{_code(f.type)}, default {_code(repr(default))}", "",
                    _linked(docs[f.name], names), "", "| front end | spelling |", "|---|---|", *rows]
-        if f.name in fronts.lightning_notes:
-            section += ["", f"Lightning: {_linked(fronts.lightning_notes[f.name], names)}"]
-        if titan_doc:
-            section += ["", f"torchtitan: {_linked(titan_doc, names)}"]
+        for front, notes in (("Lightning", fronts.lightning_notes), ("torchtitan", fronts.titan_notes)):
+            if f.name in notes:
+                section += ["", f"{front}: {_linked(notes[f.name], names)}"]
         sections.append("\n".join(section))
-    used = {name for source in fronts.titan.values() for name in re.findall(r"\bmonarch\.(\w+)", source)}
-    titan_only = [f"### `--monarch.{name}`\n\n{_code(kind)}, default {_code(default)}\n\n{_linked(doc, names)}"
-                  for name, (kind, default, doc) in fronts.titan_fields.items() if name not in used]
     parts = [
         "## Overview", "", "\n".join(table), "",
         "## Lightning", "", _linked(fronts.lightning_doc, names), "",
-        "## Settings", "", "\n\n".join(sections),
+        "## Settings", "", "\n\n".join(sections), "",
+        "## Only in torchtitan's section", "",
+        f"### `--monarch.enable`\n\n`bool`, default `False`\n\n{_linked(fronts.titan_enable, names)}",
     ]
-    if titan_only:
-        parts += ["", "## Only in torchtitan's section", "", "\n\n".join(titan_only)]
     return "\n".join(parts) + "\n"
 
 

@@ -16,12 +16,13 @@ import dataclasses
 import logging
 import sys
 
-from monarch_plugin.config import BACKENDS, BATCH_POLICIES, ElasticConfig, cli_flag, field_docs, spell_fields
+from monarch_plugin.config import (BACKENDS, BATCH_POLICIES, ElasticConfig, cli_flag, field_default, field_docs,
+                                   spell_fields)
 from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError
 
 __all__ = ["main", "build_parser"]
 
-_CHOICES = {"cross_backend": BACKENDS, "batch_policy": BATCH_POLICIES}
+_CHOICES = {"backend": BACKENDS, "batch_policy": BATCH_POLICIES}
 _TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
           "list[str]": lambda text: [item.strip() for item in text.split(",") if item.strip()]}
 _NOT_FLAGS = {"env"}  # the worker environment is the caller's own (export it, as under torchrun)
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type == "bool | None":  # --flag / --no-flag, and neither leaves the field's automatic choice
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)
             continue
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        default = field_default(f)
         p.add_argument(flag, dest=f.name, type=_TYPES[f.type], default=default, choices=_CHOICES.get(f.name),
                        metavar=None if f.name in _CHOICES else flag[2:].upper().replace("-", "_"),
                        help=doc if default in (None, []) else f"{doc} (default: %(default)s)")

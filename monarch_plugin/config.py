@@ -23,11 +23,16 @@ from typing import Callable
 
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "cli_flag", "field_docs", "parse_host", "route_address",
-           "spell_fields"]
+__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "LOOP_ONLY", "cli_flag", "field_default", "field_docs",
+           "front_end_fields", "given", "parse_host", "route_address", "spell_fields"]
 
 BATCH_POLICIES = ("constant_global", "constant_local")
 BACKENDS = ("auto", "gloo", "nccl")
+LOOP_ONLY = ("batch_policy", "scale_lr_with_replicas", "checkpoint_steps", "checkpoint_interval_s", "checkpoint_keep",
+             "resume")
+"""`ElasticLoop`'s own settings: its batch policy and its durable checkpoints. The framework front ends keep the
+global batch constant (their steps per epoch are fixed when training starts) and checkpoint the framework's way
+(Lightning's `ModelCheckpoint`, HF's `save_steps`, torchtitan's `--checkpoint.*`), so they do not take these."""
 
 
 @dataclass
@@ -47,10 +52,10 @@ class ElasticConfig:
     """Processes in one replica group (1 for DDP; k for FSDP sharded over k procs inside a replica).
     When one proc dies its whole replica is replaced."""
 
-    cross_backend: str = "auto"
+    backend: str = "auto"
     """torch.distributed backend of the cross-replica gradient reduction: "auto" (nccl on CUDA and ROCm builds,
     where it is RCCL; gloo on CPU), "gloo" or "nccl". Inside a replica the training code's own group uses
-    whichever backend it initialises (the Lightning strategies use their ``backend`` for both)."""
+    whichever backend it initialises (the Lightning strategies use this one for both)."""
 
     batch_policy: str = "constant_global"
     """What a shrink does to the global batch. "constant_global": the global batch and learning rate stay
@@ -211,9 +216,9 @@ class ElasticConfig:
                 f"`replicas` ({self.replicas}) must lie between `min_replicas` ({self.min_replicas}) and "
                 f"`max_replicas` ({self.max_replicas}): change one of the three", "replicas"
             )
-        if self.cross_backend not in BACKENDS:
+        if self.backend not in BACKENDS:
             raise ConfigError(
-                f"unknown `cross_backend` {self.cross_backend!r}: choose one of {', '.join(BACKENDS)}", "cross_backend"
+                f"unknown `backend` {self.backend!r}: choose one of {', '.join(BACKENDS)}", "backend"
             )
         if self.batch_policy not in BATCH_POLICIES:
             raise ConfigError(
@@ -269,7 +274,7 @@ class ElasticConfig:
         return _decode(raw) if raw else None
 
 
-_FLAGS = {"cross_backend": "--backend", "events_path": "--events"}
+_FLAGS = {"events_path": "--events"}
 
 _TYPES = {
     "int": (int, "a whole number"), "float": ((int, float), "a number"), "str": (str, "a string"),
@@ -324,6 +329,27 @@ def field_docs() -> dict[str, str]:
                 and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
+
+
+def field_default(f: dataclasses.Field) -> object:
+    """A field's default value (a fresh one for a list or dict)."""
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def front_end_fields(owned: tuple[str, ...] = ()) -> list[dataclasses.Field]:
+    """The settings a framework's front end takes in its own spelling (the Lightning strategies' keyword arguments,
+    torchtitan's `--monarch.*` section): every field but those its framework's own arguments set (`owned`) and
+    `LOOP_ONLY`. Each keeps the field's name, type, default and docstring."""
+    return [f for f in dataclasses.fields(ElasticConfig) if f.name not in owned and f.name not in LOOP_ONLY]
+
+
+def given(config: ElasticConfig) -> dict[str, object]:
+    """The settings of `config` its caller chose: those that differ from a config of the same `replicas` and
+    `hosts` left at its defaults, so the defaults resolved from them (`max_replicas`, `store_host`) and from the
+    environment (`events_path`, `fault`) count as unset, and a front end can put its framework's in their place."""
+    baseline = ElasticConfig(replicas=config.replicas, hosts=config.hosts)
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(ElasticConfig)
+            if f.name == "replicas" or getattr(config, f.name) != getattr(baseline, f.name)}
 
 
 def spell_fields(text: str, spell: Callable[[str], str]) -> str:

@@ -135,7 +135,7 @@ class ElasticController:
         """`launch` starts a replica's procs and its two actors; Monarch's proc meshes unless given (a benchmark
         gives its own, to drive this controller with more simulated replicas than a machine holds processes)."""
         config.validate()
-        resolve_backend(config.cross_backend)
+        resolve_backend(config.backend)
         self._resume_asked = config.resume is not None
         if config.resume == "auto":  # the replicas all load the same one, found once here
             config = replace(config, resume=newest(config.checkpoint_dir, config.procs_per_replica))

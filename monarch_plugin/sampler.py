@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ElasticSampler", "share", "shard_bounds", "weight"]
+__all__ = ["ElasticSampler", "ShareSampler", "reloader", "share", "shard_bounds", "weight"]
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -112,3 +112,63 @@ class ElasticSampler:
             )
         self.epoch, self.cursor, self.seed = state["epoch"], state["cursor"], state["seed"]
         self._order = None
+
+
+class ShareSampler:
+    """A training DataLoader's batch sampler: this proc's share (`cut`) of each global micro-batch of `size`.
+
+    Each share issued is remembered by (epoch, position), because a framework fetches a batch ahead and DataLoader
+    workers prefetch more: a batch in hand may have been cut for a generation that no longer exists. At step time
+    the front end compares the share it holds (`issued`, `in_hand`) with the one the live group gives that
+    micro-batch, and loads a fresh one where they differ. From the cursor on (Lightning), or from the epoch's start (`from_start`: HF's
+    resume path skips the micro-batches already trained).
+    """
+
+    def __init__(self, sampler: ElasticSampler, size: int, cut, *, from_start: bool = False):
+        self.sampler, self.size, self.cut, self.from_start = sampler, size, cut, from_start
+        self.issued: dict[tuple[int, int], list[int]] = {}
+
+    def __len__(self) -> int:
+        return self.sampler.batches_per_epoch(self.size)
+
+    def __iter__(self):
+        epoch = self.sampler.epoch
+        for pos, batch in self.sampler.micro_batches(self.size, start=0 if self.from_start else None):
+            mine = self.cut(batch)  # the generation of the moment: it may change between batches
+            self.issued[(epoch, pos)] = mine
+            yield mine
+
+    def key(self, micro: int) -> tuple[int, int]:
+        """(epoch, position) of micro-batch `micro` of the step at the cursor."""
+        return self.sampler.epoch, self.sampler.cursor + micro * self.size
+
+    def in_hand(self, micro: int) -> list[int] | None:
+        """The share a framework that takes the batches in order holds at micro-batch `micro` of the step at the
+        cursor: the oldest issued from there on, once those before it are dropped. None when that is not
+        `micro`'s own: none was issued for it, or it was passed (a window being redone holds its last batch)."""
+        key = self.key(micro)
+        for old in [k for k in self.issued if k < key]:
+            del self.issued[old]
+        oldest = next(iter(self.issued.items()), None)
+        return oldest[1] if oldest is not None and oldest[0] == key else None
+
+    def forget(self) -> None:
+        """Drop the shares of committed steps (those before the cursor)."""
+        done = self.key(0)
+        for key in [k for k in self.issued if k < done]:
+            del self.issued[key]
+
+
+def reloader(loader, batch_sampler, loader_class=None, *args):
+    """`loader` again (its dataset, collator, workers and the rest) with `batch_sampler` in place of its own; a
+    `loader_class` (a `DataLoader` subclass, given `args` first) in place of DataLoader."""
+    from torch.utils.data import DataLoader
+
+    workers = loader.num_workers
+    return (loader_class or DataLoader)(
+        *args, loader.dataset, batch_sampler=batch_sampler, num_workers=workers, collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor if workers else None,
+        persistent_workers=loader.persistent_workers if workers else False,
+    )

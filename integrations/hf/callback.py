@@ -39,11 +39,12 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState, TrainerState
 from transformers.utils import logging
 
+from monarch_plugin.config import LOOP_ONLY, cli_flag, field_default
 from monarch_plugin.integrations.hf import _trainer_hooks
 from monarch_plugin.integrations.hf._stream import ElasticStream
-from monarch_plugin.sampler import ElasticSampler, share, weight
+from monarch_plugin.sampler import ElasticSampler, ShareSampler, reloader, share, weight
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
+from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 
 __all__ = ["MonarchElasticCallback"]
 
@@ -93,8 +94,10 @@ class MonarchElasticCallback(TrainerCallback):
         self._armed = False
         self._no_sync: contextlib.AbstractContextManager | None = None
         self._substeps = 0
-        self._issued: dict[tuple[int, int], tuple[int, list[int]]] = {}
-        """(epoch, position) of each global micro-batch handed to the loader -> (generation, share) it was cut for."""
+        self._issued: dict[tuple[int, int], list[int]] = {}
+        """(epoch, position) of each global micro-batch handed to the loader -> the share it was cut as."""
+        self._joined = False
+        """In the run's generations (the first one entered): a replica promoted to main from then on shows the bar."""
         self._in_step = False
         self._committed_world = 0
         self._logged_world = 0
@@ -191,14 +194,10 @@ class MonarchElasticCallback(TrainerCallback):
         self._sampler = ElasticSampler(n, shuffle=args.train_sampling_strategy == "random", seed=seed,
                                        drop_last=args.dataloader_drop_last)
         self._dataset, self._collate = dataset, loader.collate_fn
-        workers = loader.num_workers
-        return DataLoader(
-            dataset, batch_sampler=_ElasticBatchSampler(self), collate_fn=loader.collate_fn, num_workers=workers,
-            pin_memory=loader.pin_memory, timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-            prefetch_factor=loader.prefetch_factor if workers else None,
-            persistent_workers=loader.persistent_workers if workers else False,
-        )
+        # From the epoch's first micro-batch, as any batch sampler: HF's resume path skips those already trained.
+        batches = ShareSampler(self._sampler, self._micro_batch_size, self._cut, from_start=True)
+        self._issued = batches.issued
+        return reloader(loader, batches)
 
     def _build_stream_loader(self, loader: DataLoader) -> DataLoader:
         """The training loader for a stream: this replica's share of each global micro-batch every replica reads."""
@@ -238,9 +237,10 @@ class MonarchElasticCallback(TrainerCallback):
             self._sampler.load_state_dict(self._cursor_at(self._step))
         self._tx = StepTransaction(self._ctx, _HealState(self), list(trainer.model.parameters()),
                                    buffers_of=[trainer.model], give_up=self._give_up,
-                                   newest_checkpoint=self._newest_checkpoint)
+                                   newest_checkpoint=self._newest_checkpoint, on_join=self._take_main_role)
         resumed_at = self._step
-        self._sync_generation(promote=False)
+        self._tx.sync(self._step)
+        self._joined = True
         # A replacement healed from a peer mid-run; or a stream resumed, whose position HF cannot work out from
         # global_step (it takes a stream for one epoch of max_steps).
         if self._step != resumed_at or (self._stream is not None and self._step):
@@ -282,23 +282,20 @@ class MonarchElasticCallback(TrainerCallback):
         state = self._trainer.state
         return state.max_steps > 0 and state.global_step >= state.max_steps
 
-    def _sync_generation(self, promote: bool = True) -> None:
-        """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
-        if self._tx.sync(self._step):
-            self._take_main_role(promote)
-
-    def _take_main_role(self, promote: bool) -> None:
-        """HF's process-zero flags follow the generation's rank 0, which moves when the main replica dies."""
+    def _take_main_role(self) -> None:
+        """HF's process-zero flags follow the generation's rank 0, which moves when the main replica dies; a
+        replica that becomes main mid-run opens the progress bar."""
         trainer = self._trainer
         state = trainer.state
         promoted = self.is_main_replica and not state.is_world_process_zero
         state.is_world_process_zero = state.is_local_process_zero = self.is_main_replica
-        if promote and promoted:
+        if self._joined and promoted:
             _trainer_hooks.open_progress_bar(trainer)
 
     def _give_up(self, committed: int) -> str | None:
         """The controller gave up: the main replica writes HF's checkpoint of the last committed step."""
-        self._take_main_role(promote=False)
+        self._joined = False  # no progress bar for it
+        self._take_main_role()
         if not self.is_main_replica:
             return None
         path = _trainer_hooks.save_checkpoint(self._trainer)
@@ -326,8 +323,7 @@ class MonarchElasticCallback(TrainerCallback):
             self._micro_batches = min(self._accumulate, remaining)
         self._substeps = 0
         # DataLoader workers cut shares ahead of time; a share cut for an older generation is recomputed at commit.
-        self._armed = all(self._issued.get(self._key(j)) == (self._tx.gen, self._share(j))
-                          for j in range(self._micro_batches))
+        self._armed = all(self._issued.get(self._key(j)) == self._share(j) for j in range(self._micro_batches))
         if self._armed:
             self._arm()
 
@@ -361,23 +357,16 @@ class MonarchElasticCallback(TrainerCallback):
 
     def _commit(self, args) -> None:
         """Reduce, or drop and redo the step on the new generation, until it commits (or a heal hands it over)."""
-        trainer, tx = self._trainer, self._tx
-        start, redo, redone = self._step, not self._armed, False
-        while True:
-            if redo:
-                self._sync_generation()
-                if self._step > start:
-                    # A peer committed this step while our reduction failed; the heal handed us its result. With
-                    # no gradients, HF's optimizer.step() that follows is a no-op; its scheduler step and
-                    # global_step increment bring this replica's own loop to where the donor's already is.
-                    trainer.model.zero_grad(set_to_none=True)
-                    self._committed_world = tx.world
-                    return
-                self._redo_window()
-                redone = True
-            if tx.reduce(self._step, [], lambda: trainer.model.zero_grad(set_to_none=True)) is not None:
-                break
-            redo = True
+        trainer, tx, start = self._trainer, self._tx, self._step
+        zero_grad = lambda: trainer.model.zero_grad(set_to_none=True)  # noqa: E731
+        redone = []
+        if tx.commit(start, lambda: self._step, lambda redo: redone.append(self._redo_window()) or [], zero_grad,
+                     computed=self._armed) is None:
+            # A peer committed this step while ours was dropped; the heal handed us its result. With no gradients,
+            # HF's optimizer.step() that follows is a no-op; its scheduler step and global_step increment bring this
+            # replica's own loop to where the donor's already is.
+            self._committed_world = tx.world
+            return
         if redone and args.max_grad_norm is not None and args.max_grad_norm > 0:
             trainer.accelerator.clip_grad_norm_(trainer.model_wrapped.parameters(), args.max_grad_norm)
         if self._stream is not None:
@@ -385,7 +374,8 @@ class MonarchElasticCallback(TrainerCallback):
         else:
             self._sampler.advance(self._micro_batch_size, self._micro_batches)
         done = (self._data.epoch, self._data.cursor)
-        self._issued = {k: v for k, v in self._issued.items() if k >= done}
+        for key in [k for k in self._issued if k < done]:
+            del self._issued[key]
         self._step += 1
         self._committed_world = tx.world
         tx.committed(start)
@@ -417,8 +407,11 @@ class MonarchElasticCallback(TrainerCallback):
     def _samples(self, ids: list[int]) -> list:
         return self._stream.samples(ids) if self._stream is not None else [self._dataset[i] for i in ids]
 
+    def _cut(self, batch: list[int]) -> list[int]:
+        return share(batch, self._tx.rank, self._tx.world)
+
     def _share(self, j: int) -> list[int]:
-        return share(self._window()[j], self._tx.rank, self._tx.world)
+        return self._cut(self._window()[j])
 
     # -- between steps ----------------------------------------------------------------------------------------
 
@@ -427,7 +420,7 @@ class MonarchElasticCallback(TrainerCallback):
             return
         if not control.should_log and self._committed_world != self._logged_world:
             self._trainer.log({})  # a resize between HF's logging steps gets a log line of its own
-        self._sync_generation()
+        self._tx.sync(self._step)
         control.should_save = control.should_save and self.is_main_replica
 
     def _annotate_log(self, logs: dict) -> None:
@@ -463,29 +456,6 @@ class _JoinFirst(TrainerCallback):
         self.owner._join_first(state)
 
 
-class _ElasticBatchSampler:
-    """The training loader's batch sampler: this replica's share of each global micro-batch of the epoch.
-
-    Yields from the epoch's first micro-batch, like any batch sampler, so HF's resume path (which skips the
-    micro-batches already trained) positions it; every share is recorded with the generation it was cut for.
-    """
-
-    def __init__(self, owner: MonarchElasticCallback):
-        self.owner = owner
-
-    def __len__(self) -> int:
-        return self.owner._sampler.batches_per_epoch(self.owner._micro_batch_size)
-
-    def __iter__(self):
-        owner = self.owner
-        sampler, tx = owner._sampler, owner._tx
-        epoch = sampler.epoch
-        for pos, batch in sampler.micro_batches(owner._micro_batch_size, start=0):
-            mine = share(batch, tx.rank, tx.world)  # the generation of the moment: it may change between batches
-            owner._issued[(epoch, pos)] = (tx.gen, mine)
-            yield mine
-
-
 _SKIPPED = object()
 """What the stream loader yields for a micro-batch its pass already trained; HF's resume path discards it."""
 
@@ -513,7 +483,7 @@ class _StreamShares(IterableDataset):
                 raise RuntimeError("the Trainer asked for a micro-batch beyond gradient_accumulation_steps before "
                                    "the step committed")
             share = owner._share(j)
-            owner._issued[owner._key(j)] = (owner._tx.gen, share)
+            owner._issued[owner._key(j)] = share
             j += 1
             yield stream.samples(share)
 
@@ -528,49 +498,53 @@ class _CollateShare:
         return share if share is _SKIPPED else self.collate(share)
 
 
-class _HealState:
+class _HealState(TrainingState):
     """What a replacement (or a replica that dropped a step its peers committed) receives from a live peer.
 
     A replacement heals in `on_train_begin`, before its epoch loop starts, and takes everything: weights,
     optimizer and scheduler, the data cursor, `TrainerState` (global step, epoch, log history, best metric),
-    the stateful callbacks (early stopping) and the RNG. A survivor healed inside `on_pre_optimizer_step` is one
-    step behind: it takes the weights, the optimizer's state and the cursor, but keeps its own learning rates,
-    scheduler, `TrainerState` and RNG, because HF's loop is about to finish that same step and advance them
-    exactly as the donor's already did.
+    the stateful callbacks (early stopping) and the RNG. A survivor healed inside `on_pre_optimizer_step` is
+    catching up (`TrainingState`): it keeps its own scheduler and `TrainerState` too.
     """
 
     def __init__(self, owner: MonarchElasticCallback):
+        super().__init__(lambda: owner._tx.device)
         self.owner = owner
 
-    def state_dict(self) -> dict:
-        owner = self.owner
-        trainer = owner._trainer
-        data = owner._data.state_dict()  # a stream reads ahead here: the RNG as of after that read
+    @property
+    def modules(self) -> list:
+        return [self.owner._trainer.model]
+
+    @property
+    def optimizers(self) -> list:
+        return [self.owner._trainer.optimizer]
+
+    @property
+    def step(self) -> int:
+        return self.owner._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.owner._step = value
+
+    def catching_up(self) -> bool:
+        return self.owner._in_step
+
+    def extra_state(self) -> dict:
+        trainer = self.owner._trainer
         return {
-            "step": owner._step,
-            "model": trainer.model.state_dict(),
-            "optimizer": trainer.optimizer.state_dict(),
             "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
-            "data": data,
+            "data": self.owner._data.state_dict(),  # a stream reads ahead here: the RNG is taken after it
             "trainer_state": {f.name: getattr(trainer.state, f.name) for f in dataclasses.fields(TrainerState)
                               if f.name not in _OWN_STATE_FIELDS},
             "callbacks": [(type(c).__name__, c.state()) for c in trainer.callback_handler.callbacks
                           if isinstance(c, ExportableState)],
-            "rng": rng_state(owner._tx.device),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        owner = self.owner
-        trainer = owner._trainer
-        whole = not owner._in_step
-        trainer.model.load_state_dict(state["model"])
-        own = [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        owner._data.load_state_dict(state["data"])
-        owner._step = state["step"]
+    def load_extra(self, state: dict, whole: bool) -> None:
+        trainer = self.owner._trainer
+        self.owner._data.load_state_dict(state["data"])
         if not whole:
-            for group, hyper in zip(trainer.optimizer.param_groups, own):
-                group.update(hyper)
             return
         if state["lr_scheduler"] is not None:
             trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -581,7 +555,6 @@ class _HealState:
             if type(callback).__name__ == name:
                 for attribute, value in saved.get("attributes", {}).items():
                     setattr(callback, attribute, value)
-        set_rng_state(state["rng"], owner._tx.device)
 
 
 def _check_arguments(trainer, ctx) -> None:
@@ -600,16 +573,14 @@ def _check_arguments(trainer, ctx) -> None:
             f"MonarchElasticCallback runs one process per replica, got --procs-per-replica "
             f"{ctx.procs_per_replica}: drop the flag"
         )
-    if config.checkpoint_steps or config.checkpoint_interval_s or config.resume:
+    chosen = [cli_flag(f.name) for f in dataclasses.fields(config)
+              if f.name in LOOP_ONLY and getattr(config, f.name) != field_default(f)]
+    if chosen:
         raise ValueError(
-            "--checkpoint-steps, --checkpoint-interval and --resume are ElasticLoop's durable checkpoints: with the "
-            "HF Trainer use its own, TrainingArguments(save_steps=...) and trainer.train(resume_from_checkpoint=...)"
-            " (one replica writes them): drop the flags"
-        )
-    if config.batch_policy != "constant_global":
-        raise ValueError(
-            f"MonarchElasticCallback keeps the global batch constant (HF's steps per epoch are fixed when "
-            f"train() starts), got --batch-policy {config.batch_policy}: drop the flag"
+            f"{', '.join(chosen)}: ElasticLoop's own settings. MonarchElasticCallback keeps the global batch "
+            "constant (HF's steps per epoch are fixed when train() starts), and checkpoints are the Trainer's own, "
+            "TrainingArguments(save_steps=...) and trainer.train(resume_from_checkpoint=...) (one replica writes "
+            "them): drop the flags"
         )
     if args.train_sampling_strategy not in ("random", "sequential"):
         raise ValueError(

@@ -23,7 +23,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from monarch_plugin.config import ElasticConfig
 import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
 from monarch_plugin.integrations.lightning.strategy import MonarchStrategy
 
@@ -62,18 +61,6 @@ class MonarchFSDPStrategy(MonarchStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.device_mesh = None
         """This replica's own procs, which shard the model; set in each replica when `fit` sets up."""
-
-    # -- controller side ---------------------------------------------------------------------------------
-
-    @override
-    def elastic_config(self, root_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
-        devices = len(self.parallel_devices or [])
-        if devices % self.procs_per_replica:
-            raise MisconfigurationException(
-                f"Trainer(devices={devices}) cannot be cut into replicas of MonarchFSDPStrategy(procs_per_replica="
-                f"{self.procs_per_replica}): make devices a multiple of procs_per_replica"
-            )
-        return super().elastic_config(root_dir, stage)
 
     # -- inside a replica -----------------------------------------------------------------------------------
 

@@ -17,8 +17,12 @@ finishes; none is respawned (a replacement would only start the stage over).
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import io
+import os
 import textwrap
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -26,6 +30,8 @@ import cloudpickle
 import torch
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -33,57 +39,87 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from monarch_plugin.checksum import state_checksum
-from monarch_plugin.config import field_docs, spell_fields
+from monarch_plugin.config import LOOP_ONLY, ElasticConfig, field_default, field_docs, front_end_fields, given
 from monarch_plugin.controller import ElasticController
-from monarch_plugin.errors import ConfigError, ElasticRunAborted
-from monarch_plugin.integrations.lightning._lightning_hooks import Launcher
+from monarch_plugin.errors import ConfigError
+from monarch_plugin.integrations.lightning._lightning_hooks import Launcher, check_version
 from monarch_plugin.report import run_summary
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context as _context
 
 
-ARGUMENTS = {
-    "min_replicas": "min_replicas", "max_replicas": "max_replicas", "backend": "cross_backend",
-    "join_timeout_s": "join_timeout_s", "collective_timeout_s": "collective_timeout_s", "fault": "fault",
-    "events_path": "events_path", "checkpoint_dir": "checkpoint_dir", "max_restarts": "max_restarts",
-    "spares": "spares", "forkserver": "forkserver", "hosts": "hosts", "hosts_file": "hosts_file",
-    "host_timeout_s": "host_timeout_s", "store_host": "store_host",
+FROM_TRAINER = {
+    "replicas": "`Trainer(devices=..., num_nodes=...)`: `devices` x `num_nodes` procs, `procs_per_replica` to a replica",
+    "procs_per_replica": "1 for `MonarchStrategy`; `MonarchFSDPStrategy(procs_per_replica=...)`",
+    "replicas_per_host": "with `hosts`, `Trainer(devices=...)` over `procs_per_replica`: `devices` is per host",
 }
-"""The Lightning strategies' keyword arguments, each the `ElasticConfig` field it sets: the same name, but for
-`backend`, which is both the replica's own backend and the cross-replica one. `replicas` and `procs_per_replica`
-come from Lightning's own `devices` and `num_nodes` (and `MonarchFSDPStrategy(procs_per_replica=...)`); on several
-hosts `replicas_per_host` is `devices` over `procs_per_replica`."""
+"""The settings Lightning's own arguments give. The strategies take every other field of `front_end_fields` as a
+keyword argument of the same name and default (or all at once, as `elastic=ElasticConfig(...)`);
+`LOOP_ONLY` are not Lightning's (its checkpoints are `ModelCheckpoint`'s and `fit(ckpt_path=...)`'s)."""
 
-_FIELD_ARGUMENT = {field: name for name, field in ARGUMENTS.items()}
-
-_LIGHTNING_DOCS = {
+_NOTES = {
     "max_replicas": ("Most replicas trained on at once; with `hosts`, a machine that joins mid-run grows the run up "
                      "to it. None means the replicas `devices` starts."),
-    "cross_backend": 'torch.distributed backend within and across replicas: "auto" (nccl on CUDA and ROCm builds, '
-                     'where it is RCCL; gloo on CPU), "gloo" or "nccl".',
-    "hosts": "Monarch host agents to run the replicas on, one per machine, as `tcp://IP:PORT` (start one with "
-             "`monarch-plugin host --address tcp://IP:PORT`); `Trainer(num_nodes=...)` of them, each given `devices` "
-             "replica procs. None: every replica on this machine. The script and its environment must be at the same "
-             "paths on every host, as with torchrun.",
+    "backend": 'torch.distributed backend within and across replicas: "auto" (nccl on CUDA and ROCm builds, '
+               'where it is RCCL; gloo on CPU), "gloo" or "nccl".',
     "events_path": "JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up). "
                    "None: `$MONARCH_PLUGIN_EVENTS` or `monarch_events.jsonl` in the Trainer's `default_root_dir` "
                    "(`monarch_events-<stage>.jsonl` for validate, test and predict).",
+    "hosts": "Monarch host agents to run the replicas on, one per machine, as `tcp://IP:PORT` (start one with "
+             "`monarch-plugin host --address tcp://IP:PORT`); `Trainer(num_nodes=...)` of them, each given `devices` "
+             "replica procs. Empty: every replica on this machine. The script and its environment must be at the same "
+             "paths on every host, as with torchrun.",
 }
 """Where a strategy argument means more than its field: Lightning's `devices` and `default_root_dir` fill it in."""
 
+_SETTINGS = {f.name for f in front_end_fields(tuple(FROM_TRAINER))}
 
-def argument(field: str) -> str:
-    """A runtime setting as the Lightning strategies spell it: their keyword argument."""
-    return f"`{_FIELD_ARGUMENT.get(field, field)}`"
+
+def take_settings(strategy: str, elastic: Optional[ElasticConfig], kwargs: dict) -> dict:
+    """The run's settings among a strategy's arguments (taken out of `kwargs`): `elastic`'s chosen ones (`given`),
+    then the keyword arguments. Refuses, naming the fix, one that Lightning's own arguments set or that is not
+    an argument at all, before the Trainer is built."""
+    if elastic is not None and not isinstance(elastic, ElasticConfig):
+        raise MisconfigurationException(f"{strategy}(elastic=...) takes an ElasticConfig, got {type(elastic).__name__}")
+    settings = given(elastic) if elastic is not None else {}
+    lightnings = set(inspect.signature(ParallelStrategy.__init__).parameters)
+    for name in [*(n for n in settings if n in LOOP_ONLY), *kwargs]:
+        if name in _SETTINGS:
+            settings[name] = kwargs.pop(name)
+        elif name in FROM_TRAINER:
+            raise MisconfigurationException(f"{strategy}({name}=...) is set by {FROM_TRAINER[name]}: drop it")
+        elif name in LOOP_ONLY:
+            raise MisconfigurationException(
+                f"{strategy}({name}=...) is ElasticLoop's own: under Lightning the global batch stays constant, and "
+                "checkpoints are a ModelCheckpoint callback's and trainer.fit(ckpt_path=...)'s (one replica writes)")
+        elif name not in lightnings:
+            close = difflib.get_close_matches(name, [*_SETTINGS, *lightnings], n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            raise MisconfigurationException(f"{strategy} has no argument `{name}`: {hint}it takes the ElasticConfig "
+                                            f"settings ({', '.join(sorted(_SETTINGS))}) and Lightning's own")
+    return settings
+
+
+def signature() -> inspect.Signature:
+    """`MonarchStrategy(...)`'s signature as `help()` and editors show it: `elastic`, then one keyword argument
+    per setting, with the field's type and default."""
+    hints = typing.get_type_hints(ElasticConfig)
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("elastic", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                annotation=Optional[ElasticConfig])]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=field_default(f),
+                                 annotation=hints[f.name]) for f in front_end_fields(tuple(FROM_TRAINER))]
+    return inspect.Signature([*params, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
 def arguments_doc() -> str:
     """The "Args:" section of the strategies' docstrings, from `ElasticConfig`'s field docstrings."""
     docs = field_docs()
-    lines = ["", "", "    Args:"]
-    for name, field in ARGUMENTS.items():
-        text = _LIGHTNING_DOCS.get(field) or spell_fields(docs[field].replace("``", "`"), argument)
-        lines += textwrap.wrap(f"{name}: {text}", 116, initial_indent=" " * 8, subsequent_indent=" " * 12,
+    lines = ["", "", "    Args:", "        elastic: every setting below at once, as an `ElasticConfig` (its `replicas` "
+             "and", "            `procs_per_replica` must agree with the Trainer's); keyword arguments override it."]
+    for f in front_end_fields(tuple(FROM_TRAINER)):
+        text = _NOTES.get(f.name) or docs[f.name].replace("``", "`")
+        lines += textwrap.wrap(f"{f.name}: {text}", 116, initial_indent=" " * 8, subsequent_indent=" " * 12,
                                break_on_hyphens=False)
     return "\n".join(lines) + "\n"
 
@@ -106,8 +142,78 @@ def check_training_loader(loader: object) -> None:
 
 
 class _MonarchLauncher(Launcher):
+    """The controller side of the strategies: checks the Trainer's arguments when it is built, and runs a stage's
+    replicas under `ElasticController` when it is called."""
+
     def __init__(self, strategy) -> None:
         self._strategy = strategy
+        if not isinstance(strategy.accelerator, (CPUAccelerator, CUDAAccelerator)):
+            raise MisconfigurationException(
+                f"MonarchStrategy runs replicas on CPUs or on CUDA/ROCm GPUs, got accelerator "
+                f"{type(strategy.accelerator).__name__}: pass Trainer(accelerator='cpu' or 'gpu', devices=N)"
+            )
+        hosts, nodes = strategy.settings.get("hosts", []), strategy.num_nodes
+        if nodes != 1 and not (hosts or strategy.settings.get("hosts_file")):
+            raise MisconfigurationException(
+                f"Trainer(num_nodes={nodes}) trains on {nodes} machines, each running a Monarch host "
+                "agent (`monarch-plugin host --address tcp://IP:PORT`): pass their addresses as "
+                "MonarchStrategy(hosts=[...]) or hosts_file=..., or drop num_nodes to train on this machine"
+            )
+        if hosts and not strategy.settings.get("hosts_file") and len(hosts) != nodes:
+            raise MisconfigurationException(
+                f"MonarchStrategy(hosts=...) lists {len(hosts)} host(s) but Trainer(num_nodes={nodes}): "
+                "make them agree (num_nodes is the number of hosts the run starts on)"
+            )
+        check_version()
+        self.config()
+
+    @property
+    def replicas(self) -> int:
+        """Replicas spawned at start: Lightning's ``devices``, ``procs_per_replica`` devices to a replica."""
+        s = self._strategy
+        return len(s.parallel_devices or []) * s.num_nodes // s.procs_per_replica
+
+    def config(self, root_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
+        """The run's `ElasticConfig`: the strategy's settings and what Lightning's own arguments say; raises
+        naming the argument to change.
+
+        Unless `events_path` (or `$MONARCH_PLUGIN_EVENTS`) says otherwise, the events go to the Trainer's
+        `default_root_dir` (`root_dir`), next to its logs and checkpoints: `monarch_events.jsonl` for `fit`,
+        `monarch_events-<stage>.jsonl` for the other stages, so a `test` after `fit` keeps fit's record.
+        `validate`, `test` and `predict` respawn nobody (any finishing replica holds the stage's result).
+        """
+        s, settings = self._strategy, dict(self._strategy.settings)
+        devices = len(s.parallel_devices or [])
+        if devices % s.procs_per_replica:
+            raise MisconfigurationException(
+                f"Trainer(devices={devices}) cannot be cut into replicas of {type(s).__name__}(procs_per_replica="
+                f"{s.procs_per_replica}): make devices a multiple of procs_per_replica"
+            )
+        derived = {"replicas": self.replicas, "procs_per_replica": s.procs_per_replica}
+        if settings.get("hosts") or settings.get("hosts_file"):  # `devices` is per host, as under Lightning's own
+            derived["replicas_per_host"] = devices // s.procs_per_replica
+        for name, value in derived.items():
+            if settings.get(name, value) != value:
+                raise MisconfigurationException(
+                    f"{type(s).__name__}(elastic=ElasticConfig({name}={settings[name]})) disagrees with the "
+                    f"Trainer, which gives {value} ({FROM_TRAINER[name]}): make them agree, or leave it out")
+        if self.replicas < settings.get("min_replicas", 1):
+            raise MisconfigurationException(
+                f"Trainer(devices={self.replicas}) starts {self.replicas} replica(s), fewer than "
+                f"{type(s).__name__}(min_replicas={settings['min_replicas']}): raise `devices` or lower `min_replicas`"
+            )
+        events = settings.get("events_path")
+        if events is None and root_dir is not None:
+            events = os.environ.get("MONARCH_PLUGIN_EVENTS") or os.path.join(root_dir, "monarch_events.jsonl")
+        if stage != "fit":
+            settings.update(min_replicas=1, fault=None, max_restarts=0, spares=0)
+            if events:
+                base, ext = os.path.splitext(events)
+                events = f"{base}-{stage}{ext}"
+        try:
+            return ElasticConfig(**{**settings, **derived, "events_path": events})
+        except ConfigError as e:
+            raise MisconfigurationException(f"{type(s).__name__}: {e}") from e
 
     @property
     @override
@@ -132,10 +238,10 @@ class _MonarchLauncher(Launcher):
         if ctx is not None:
             # Under `monarch-run` this process already is one replica and the controller is monarch-run's:
             # train here, with monarch-run's replica flags in charge of the topology.
-            if self._strategy.replicas != ctx.config.replicas:
+            if self.replicas != ctx.config.replicas:
                 rank_zero_info(
-                    f"monarch: Trainer(devices={self._strategy.replicas * self._strategy.procs_per_replica}) "
-                    f"asks for {self._strategy.replicas} replica(s); monarch-run started {ctx.config.replicas}, "
+                    f"monarch: Trainer(devices={self.replicas * self._strategy.procs_per_replica}) "
+                    f"asks for {self.replicas} replica(s); monarch-run started {ctx.config.replicas}, "
                     "which is what trains"
                 )
             results = function(*args, **kwargs)
@@ -151,7 +257,7 @@ class _MonarchLauncher(Launcher):
             ) from e
         for logger in trainer.loggers:
             logger.version  # fixed here, so every replica (and a later rank 0) logs into the same version
-        config = self._strategy.elastic_config(root_dir=trainer.default_root_dir, stage=trainer.state.fn.value)
+        config = self.config(root_dir=trainer.default_root_dir, stage=trainer.state.fn.value)
         try:
             target = Target.function(_StageInReplica(trainer, function.__name__, args, kwargs))
         except ConfigError as e:
@@ -159,13 +265,11 @@ class _MonarchLauncher(Launcher):
         try:
             controller = ElasticController(config, target)
         except ConfigError as e:  # e.g. more replicas x procs than visible GPUs
-            raise MisconfigurationException(f"MonarchStrategy: {spell_fields(str(e), argument)}") from e
+            raise MisconfigurationException(f"MonarchStrategy: {e}") from e
         try:
-            result = controller.run()
-        except ElasticRunAborted as e:  # the message names the strategy's own arguments
-            raise ElasticRunAborted(spell_fields(str(e), argument), e.checkpoint) from e
+            result = controller.run()  # its messages name the settings as the strategies' arguments do
         except ConfigError as e:  # found once the hosts answered: too little room, none usable
-            raise MisconfigurationException(f"MonarchStrategy: {spell_fields(str(e), argument)}") from e
+            raise MisconfigurationException(f"MonarchStrategy: {e}") from e
         for line in run_summary(result):
             rank_zero_info(f"monarch: {line}")
         outputs: list[_StageOutput] = sorted((v[0] for v in result.values.values() if v and v[0]),

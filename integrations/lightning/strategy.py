@@ -1,8 +1,9 @@
 """`MonarchStrategy`: Lightning's training step as the runtime's step transaction.
 
-One class lives on both sides. In the user's process (the controller) it validates the configuration when the
-Trainer is built and hands `fit` to `_MonarchLauncher`, which runs it in every replica. Inside a replica it is a
-data-parallel strategy whose torch.distributed default group holds only that replica's own procs, so Lightning's
+Lightning's split: the strategy is the replica side, and the controller side is its launcher (`_MonarchLauncher`),
+which the strategy creates when the Trainer is built in the user's process, and which checks the Trainer's
+arguments against the settings (`MonarchStrategy(min_replicas=...)`, every `ElasticConfig` field by its name) and
+runs `fit` in every replica. Inside a replica the strategy is a data-parallel strategy whose torch.distributed default group holds only that replica's own procs, so Lightning's
 own collectives (`self.log(sync_dist=True)`, barriers, the SIGTERM broadcast) never cross replicas. Everything
 that crosses replicas goes through the runtime's step transaction (`StepTransaction`):
 
@@ -23,13 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import deque
 from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
+from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -38,14 +38,14 @@ from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
 from monarch_plugin.backend import resolve_backend
-from monarch_plugin.config import ElasticConfig, spell_fields
-from monarch_plugin.errors import ConfigError
+from monarch_plugin.config import ElasticConfig
 import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
 from monarch_plugin.integrations.lightning.checkpoint_io import AtomicCheckpointIO
-from monarch_plugin.integrations.lightning.launcher import ARGUMENTS, argument, arguments_doc, check_training_loader
-from monarch_plugin.sampler import ElasticSampler, share, weight
+from monarch_plugin.integrations.lightning.launcher import arguments_doc, check_training_loader, signature
+from monarch_plugin.integrations.lightning.launcher import take_settings
+from monarch_plugin.sampler import ElasticSampler, ShareSampler, reloader, share, weight
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
+from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 
 __all__ = ["MonarchStrategy"]
 
@@ -56,42 +56,11 @@ class MonarchStrategy(ParallelStrategy):
     strategy_name = "monarch"
     procs_per_replica = 1
 
-    def __init__(
-        self,
-        min_replicas: int = ElasticConfig.min_replicas,
-        max_replicas: Optional[int] = None,
-        backend: str = ElasticConfig.cross_backend,
-        join_timeout_s: float = ElasticConfig.join_timeout_s,
-        collective_timeout_s: float = ElasticConfig.collective_timeout_s,
-        fault: Optional[str] = None,
-        events_path: Optional[str] = None,
-        checkpoint_dir: str = ElasticConfig.checkpoint_dir,
-        max_restarts: int = ElasticConfig.max_restarts,
-        spares: int = ElasticConfig.spares,
-        forkserver: Optional[bool] = ElasticConfig.forkserver,
-        hosts: Optional[list[str]] = None,
-        hosts_file: Optional[str] = None,
-        host_timeout_s: float = ElasticConfig.host_timeout_s,
-        store_host: Optional[str] = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, elastic: Optional[ElasticConfig] = None, **kwargs: Any) -> None:
+        self.settings = take_settings(type(self).__name__, elastic, kwargs)
+        """The run's settings given here (`ElasticConfig` fields); the launcher adds Lightning's own (`devices`)."""
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())  # Trainer(plugins=[...]) still replaces it
         super().__init__(**kwargs)
-        self.min_replicas = min_replicas
-        self.max_replicas = max_replicas
-        self.backend = backend
-        self.join_timeout_s = join_timeout_s
-        self.collective_timeout_s = collective_timeout_s
-        self.fault = fault
-        self.events_path = events_path
-        self.checkpoint_dir = checkpoint_dir
-        self.max_restarts = max_restarts
-        self.spares = spares
-        self.forkserver = forkserver
-        self.hosts = list(hosts or [])
-        self.hosts_file = hosts_file
-        self.host_timeout_s = host_timeout_s
-        self.store_host = store_host
         self.num_nodes = 1
         """Lightning's `Trainer(num_nodes=...)`: the hosts the run starts on, `devices` replica procs on each."""
         self.replica_checksums: dict[int, str] = {}
@@ -103,7 +72,9 @@ class MonarchStrategy(ParallelStrategy):
         self._sampler: Optional[ElasticSampler] = None
         self._pending_sampler_state: Optional[dict] = None
         self._pending_logger_step: Optional[int] = None
-        self._batches: Optional[_ElasticBatchSampler] = None
+        self._batches: Optional[ShareSampler] = None
+        self._loader: Optional[DataLoader] = None
+        """The training DataLoader as the LightningModule gave it, which `_batches` re-cuts."""
         self._micro_batch_size = 0
         """Samples in one global micro-batch: the DataLoader's batch_size x every proc of the starting replicas."""
         self._micro = 0
@@ -116,67 +87,11 @@ class MonarchStrategy(ParallelStrategy):
         """Held while a validation runs inside a window: the last commit's buffers swapped in."""
         self._fit_loop_started = False
 
-    # -- controller side ---------------------------------------------------------------------------------
-
-    @property
-    def replicas(self) -> int:
-        """Replicas spawned at start: Lightning's ``devices``, ``procs_per_replica`` devices to a replica."""
-        return len(self.parallel_devices or []) * self.num_nodes // self.procs_per_replica
-
-    def elastic_config(self, root_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
-        """The runtime configuration these knobs mean; raises naming the Lightning argument to change.
-
-        Unless `events_path` (or `$MONARCH_PLUGIN_EVENTS`) says otherwise, the events go to the Trainer's
-        `default_root_dir` (`root_dir`), next to its logs and checkpoints: `monarch_events.jsonl` for `fit`,
-        `monarch_events-<stage>.jsonl` for the other stages, so a `test` after `fit` keeps fit's record.
-        `validate`, `test` and `predict` respawn nobody (any finishing replica holds the stage's result).
-        """
-        if self.replicas < self.min_replicas:
-            raise MisconfigurationException(
-                f"Trainer(devices={self.replicas}) starts {self.replicas} replica(s), fewer than "
-                f"MonarchStrategy(min_replicas={self.min_replicas}): raise `devices` or lower `min_replicas`"
-            )
-        events = self.events_path
-        if events is None and root_dir is not None:
-            events = os.environ.get("MONARCH_PLUGIN_EVENTS") or os.path.join(root_dir, "monarch_events.jsonl")
-        fitting = stage == "fit"
-        if events and not fitting:
-            base, ext = os.path.splitext(events)
-            events = f"{base}-{stage}{ext}"
-        settings = {field: getattr(self, name) for name, field in ARGUMENTS.items()}
-        if not fitting:
-            settings.update(min_replicas=1, fault=None, max_restarts=0, spares=0)
-        settings.update(replicas=self.replicas, procs_per_replica=self.procs_per_replica, events_path=events)
-        if self.hosts or self.hosts_file:  # `devices` is per host, as under Lightning's own multi-node strategies
-            settings["replicas_per_host"] = len(self.parallel_devices or []) // self.procs_per_replica
-        try:
-            return ElasticConfig(**settings)
-        except ConfigError as e:
-            raise MisconfigurationException(f"MonarchStrategy: {spell_fields(str(e), argument)}") from e
-
     @override
     def _configure_launcher(self) -> None:
-        if not isinstance(self.accelerator, (CPUAccelerator, CUDAAccelerator)):
-            raise MisconfigurationException(
-                f"MonarchStrategy runs replicas on CPUs or on CUDA/ROCm GPUs, got accelerator "
-                f"{type(self.accelerator).__name__}: pass Trainer(accelerator='cpu' or 'gpu', devices=N)"
-            )
-        if self.num_nodes != 1 and not (self.hosts or self.hosts_file):
-            raise MisconfigurationException(
-                f"Trainer(num_nodes={self.num_nodes}) trains on {self.num_nodes} machines, each running a Monarch host "
-                "agent (`monarch-plugin host --address tcp://IP:PORT`): pass their addresses as "
-                "MonarchStrategy(hosts=[...]) or hosts_file=..., or drop num_nodes to train on this machine"
-            )
-        if self.hosts and not self.hosts_file and len(self.hosts) != self.num_nodes:
-            raise MisconfigurationException(
-                f"MonarchStrategy(hosts=...) lists {len(self.hosts)} host(s) but Trainer(num_nodes={self.num_nodes}): "
-                "make them agree (num_nodes is the number of hosts the run starts on)"
-            )
-        _hooks.check_version()
-        self.elastic_config()
         from monarch_plugin.integrations.lightning.launcher import _MonarchLauncher
 
-        self._launcher = _MonarchLauncher(self)
+        self._launcher = _MonarchLauncher(self)  # it checks the Trainer's arguments against the settings
 
     def set_world_ranks(self) -> None:
         """Lightning's world is one replica's procs: the controller and a one-proc replica are rank 0 of 1."""
@@ -235,7 +150,7 @@ class MonarchStrategy(ParallelStrategy):
         self.set_world_ranks()
         super().setup_environment()
         # Within the replica: NCCL on GPUs (RCCL on ROCm builds), gloo on CPUs, unless `backend` says otherwise.
-        intra = resolve_backend(self.backend)
+        intra = resolve_backend(ctx.config.backend)
         _hooks.init_replica_group(self.cluster_environment, intra)
 
     @override
@@ -251,8 +166,8 @@ class MonarchStrategy(ParallelStrategy):
             )
         self._tx = StepTransaction(self._ctx, _HealState(self), list(module.parameters()), buffers_of=[module],
                                    overlap=self._overlap, give_up=self._write_give_up_checkpoint,
-                                   newest_checkpoint=self._newest_checkpoint)
-        self._sync_generation()  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
+                                   newest_checkpoint=self._newest_checkpoint, on_join=self._update_rank_zero)
+        self._tx.sync(self._step)  # first generation: rank 0 seeds everyone; a newcomer heals from a live peer
 
     _overlap = True
     """Reduce buckets while backward runs (DDP's overlap); FSDP assigns its gradients after backward instead."""
@@ -309,14 +224,8 @@ class MonarchStrategy(ParallelStrategy):
             if self._pending_sampler_state is not None:
                 self._sampler.load_state_dict(self._pending_sampler_state)
                 self._pending_sampler_state = None
-        self._batches = _ElasticBatchSampler(self, dataloader.dataset, dataloader.collate_fn)
-        return _ElasticDataLoader(
-            self, dataloader.dataset, batch_sampler=self._batches, num_workers=dataloader.num_workers,
-            collate_fn=dataloader.collate_fn, pin_memory=dataloader.pin_memory, timeout=dataloader.timeout,
-            worker_init_fn=dataloader.worker_init_fn, multiprocessing_context=dataloader.multiprocessing_context,
-            generator=dataloader.generator, persistent_workers=dataloader.persistent_workers,
-            prefetch_factor=dataloader.prefetch_factor if dataloader.num_workers else None,
-        )
+        self._batches, self._loader = ShareSampler(self._sampler, self._micro_batch_size, self._cut), dataloader
+        return reloader(dataloader, self._batches, _ElasticDataLoader, self)
 
     @property
     def _accumulate(self) -> int:
@@ -391,16 +300,24 @@ class MonarchStrategy(ParallelStrategy):
         if self._tx is not None and self._sampler is not None and args:
             if self._window_gen is None:
                 self._start_window()
-            args = (self._batches.batch_for(args[0], self._micro), *args[1:])
+            args = (self._batch_for(args[0], self._micro), *args[1:])
             self._micro += 1
             for name, value in self._tx.metrics().items():  # the bar shows the replicas, target, last pause
                 self.lightning_module.log(name, value, prog_bar=name != "elastic/recoveries", on_step=True,
                                           on_epoch=False, batch_size=1)
         return args
 
+    def _batch_for(self, batch: Any, micro: int) -> Any:
+        """`batch`, if it is this proc's share of micro-batch `micro` for the live group; else that share, loaded."""
+        wanted = self._share(micro)
+        if self._batches.in_hand(micro) == wanted:
+            return batch
+        loader = self._loader
+        return self.batch_to_device(loader.collate_fn([loader.dataset[i] for i in wanted]))
+
     def _start_window(self) -> None:
         """A step boundary: enter a waiting generation (so a newcomer heals here) before any micro-batch runs."""
-        self._sync_generation()
+        self._tx.sync(self._step)
         if self._pending_logger_step is not None:
             # A healed newcomer: Lightning adds one to the logging step when it restores loop progress saved
             # after a batch, but a heal is taken before one.
@@ -415,26 +332,26 @@ class MonarchStrategy(ParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._window_gen is None:
             self._start_window()  # a one-micro-batch window: the closure below is its only micro-batch
-        start, last = self._step, self._micro
-        loss = None  # stays None only if a heal handed us this step before our closure ran
-        while True:
-            self._sync_generation()
-            if self._step > start:
-                # A peer committed this step while our reduction failed; the heal handed us its result.
-                optimizer.zero_grad(set_to_none=True)
-                self._micro, self._window_gen = 0, None
-                return loss
-            if self._window_gen != self._tx.gen:
+        last, loss = self._micro, None  # loss stays None only if a heal handed us this step before our closure ran
+
+        def attempt(redo: bool) -> list[float]:
+            nonlocal loss
+            if redo or self._window_gen != self._tx.gen:  # its earlier micro-batches were cut for another group
                 self._redo_window(optimizer, closure, last)
-            self._tx.arm(weight(self._window(), self._tx.rank, self._tx.world))  # backward starts reducing as gradients arrive
+            self._tx.arm(weight(self._window(), self._tx.rank, self._tx.world))  # backward reduces as it goes
             loss = closure()
             self._micro = last  # Lightning completes that micro-batch only after the step: it stays in flight
-            if self._tx.reduce(self._step, [], lambda: optimizer.zero_grad(set_to_none=True)) is not None:
-                break
-            self._window_gen = -1  # its gradients are gone: redo the whole window
+            return []
+
+        handed_over = self._tx.commit(self._step, lambda: self._step, attempt,
+                                      lambda: optimizer.zero_grad(set_to_none=True)) is None
+        if handed_over:  # a peer committed this step while ours was dropped: the heal handed us its result
+            self._micro, self._window_gen = 0, None
+            return loss
         micro_batches = len(self._window())
         output = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
         self._sampler.advance(self._micro_batch_size, micro_batches)
+        self._batches.forget()
         self._tx.committed(self._step)
         self._step += 1
         self._micro, self._window_gen = 0, None
@@ -453,11 +370,6 @@ class MonarchStrategy(ParallelStrategy):
             for micro in range(last):
                 self._micro = micro
                 closure()
-
-    def _sync_generation(self) -> None:
-        """Enter the newest generation if one is waiting (a death, or a grow agreed inside the last step)."""
-        if self._tx.sync(self._step):
-            self._update_rank_zero()
 
     def _write_give_up_checkpoint(self, committed: int) -> Optional[str]:
         self._update_rank_zero()
@@ -517,107 +429,70 @@ class MonarchStrategy(ParallelStrategy):
 
 
 MonarchStrategy.__doc__ += arguments_doc()
+MonarchStrategy.__init__.__signature__ = signature()
 
 
-class _HealState:
+class _HealState(TrainingState):
     """What a newcomer (or a replica that dropped a step its peers committed) receives from a live peer.
 
     A newcomer is healed before Lightning's fit loop starts, so it takes everything, the loop progress and the
     callbacks' state (early stopping, best checkpoints) included, and Lightning resumes mid-epoch exactly as from
-    a mid-epoch checkpoint. A survivor healed mid-run is one step
-    behind, inside `optimizer_step`: it takes the weights, the optimizer's state and the cursor, but keeps its own
-    learning rates, LR schedulers and loop progress, because its loop is about to finish that same step and
-    advance them exactly as the donor's loop already did.
+    a mid-epoch checkpoint. A survivor healed mid-run is catching up, inside `optimizer_step` (`TrainingState`).
     """
 
     def __init__(self, strategy: MonarchStrategy):
+        super().__init__(lambda: strategy._tx.device)
         self.strategy = strategy
 
     @property
     def device_mesh(self):
-        """Where received shards live (FSDP); None for an unsharded model."""
         return getattr(self.strategy, "device_mesh", None)
 
-    def state_dict(self) -> dict:
+    @property
+    def modules(self) -> list:
+        return [self.strategy.lightning_module]
+
+    @property
+    def optimizers(self) -> list:
+        return self.strategy.optimizers
+
+    @property
+    def step(self) -> int:
+        return self.strategy._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.strategy._step = value
+
+    def catching_up(self) -> bool:
+        return self.strategy._fit_loop_started
+
+    def extra_state(self) -> dict:
         s = self.strategy
         trainer = s.lightning_module.trainer
         return {
-            "step": s._step,
-            "model": s.lightning_module.state_dict(),
-            "optimizers": [o.state_dict() for o in s.optimizers],
             "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "sampler": s._sampler.state_dict() if s._sampler is not None else None,
             "fit_loop": s._fit_loop_state() if s._fit_loop_started else None,
             "logger_step": _hooks.logger_step(trainer),
             "callbacks": _hooks.callbacks_state(trainer),
-            "rng": rng_state(s._tx.device),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_extra(self, state: dict, whole: bool) -> None:
         s = self.strategy
         trainer = s.lightning_module.trainer
-        s.lightning_module.load_state_dict(state["model"])
-        newcomer = not s._fit_loop_started
-        for optimizer, saved in zip(s.optimizers, state["optimizers"]):
-            own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            optimizer.load_state_dict(saved)
-            if not newcomer:
-                for group, hyper in zip(optimizer.param_groups, own):
-                    group.update(hyper)
-        if newcomer:
+        if whole:
             for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
                 config.scheduler.load_state_dict(saved)
             if state["fit_loop"] is not None:
                 trainer.fit_loop.load_state_dict(state["fit_loop"])
                 s._pending_logger_step = state["logger_step"]
             _hooks.load_callbacks_state(trainer, state)
-            set_rng_state(state["rng"], s._tx.device)
         if state["sampler"] is not None:
             if s._sampler is not None:
                 s._sampler.load_state_dict(state["sampler"])
             else:
                 s._pending_sampler_state = state["sampler"]
-        s._step = state["step"]
-
-
-class _ElasticBatchSampler:
-    """The training DataLoader's batch sampler: this replica's share of each global micro-batch, from the cursor on.
-
-    Lightning fetches a batch ahead and DataLoader workers prefetch more, so a batch in hand may have been cut
-    for a generation that no longer exists. Each issued share is remembered by (epoch, window start, micro-batch);
-    at training_step time the strategy swaps in a freshly loaded share when the one in hand is not that
-    micro-batch's share for the live group (and when it reruns a window, whose earlier shares are long gone).
-    """
-
-    def __init__(self, strategy: MonarchStrategy, dataset: Any, collate_fn: Callable):
-        self.strategy = strategy
-        self.dataset = dataset
-        self.collate_fn = collate_fn
-        self.sampler = strategy._sampler
-        self.issued: deque[tuple[tuple[int, int], list[int]]] = deque()
-
-    def __len__(self) -> int:
-        return self.sampler.batches_per_epoch(self.strategy._micro_batch_size)
-
-    def __iter__(self):
-        sampler, strategy = self.sampler, self.strategy
-        epoch = sampler.epoch
-        for pos, batch in sampler.micro_batches(strategy._micro_batch_size):
-            micro = (pos // strategy._micro_batch_size) % strategy._accumulate
-            window_start = pos - micro * strategy._micro_batch_size
-            share = strategy._cut(batch)
-            self.issued.append(((epoch, window_start, micro), share))
-            yield share
-
-    def batch_for(self, batch: Any, micro: int) -> Any:
-        s = self.strategy
-        key = (self.sampler.epoch, self.sampler.cursor, micro)
-        while self.issued and self.issued[0][0] < key:
-            self.issued.popleft()
-        wanted = s._share(micro)
-        if self.issued and self.issued[0][0] == key and self.issued[0][1] == wanted:
-            return batch
-        return s.batch_to_device(self.collate_fn([self.dataset[i] for i in wanted]))
 
 
 class _ElasticDataLoader(DataLoader):

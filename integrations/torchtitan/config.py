@@ -1,20 +1,25 @@
 """The `monarch` section of a torchtitan config (`--monarch.*`), and the checks that tie it to the rest.
 
-A plain dataclass in torchtitan's config style (every field documented inline, parsed by tyro), so
-elasticity is one more section of the job config rather than a launcher's flags. `validate` runs when the
-config is built (`MonarchTrainer.Config.__post_init__`, so at parse time, before anything is spawned) and
-names the field to change in every message: the runtime's own `ElasticConfig` checks the replica counts,
+A dataclass in torchtitan's config style (every field documented, parsed by tyro), generated from the runtime's
+`ElasticConfig` so that every setting is there with its one default and docstring: elasticity is one more section
+of the job config rather than a launcher's flags, and the section is read straight into the runtime's config.
+`validate` runs when the config is built (`MonarchTrainer.Config.__post_init__`, so at parse time, before anything
+is spawned) and names the field to change in every message: the runtime's own `ElasticConfig` checks its settings,
 and the cross-section rules live here (a replica's procs are its FSDP group, so the parallel dims must fit
 them; pipeline, tensor, context and expert parallelism are refused).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+import typing
+from dataclasses import field
+from typing import TYPE_CHECKING, Annotated
 
-from monarch_plugin.config import ElasticConfig, spell_fields
+import tyro
+
+from monarch_plugin.config import ElasticConfig, field_docs, front_end_fields, spell_fields
 from monarch_plugin.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -23,95 +28,45 @@ if TYPE_CHECKING:
 __all__ = ["MonarchConfig", "elastic_config", "global_batch_size", "micro_batch_size", "validate"]
 
 
-@dataclass(kw_only=True, slots=True)
-class MonarchConfig:
-    enable: bool = False
-    """
-    Train elastically under PyTorch Monarch: the launching process becomes the controller and spawns
-    `replicas` replicas of `procs_per_replica` procs each (one FSDP group per replica). A SIGKILLed worker
-    costs the survivors the step in flight; its replica is replaced and healed from a live one.
-    Off: torchtitan trains as usual (under torchrun).
-    """
+OWNED = {"checkpoint_dir": "`--checkpoint.folder` under `--dump_folder`"}
+"""The settings torchtitan's own sections give. The `monarch` section has every other field of
+`front_end_fields`, as `--monarch.<field>`; `LOOP_ONLY` are not torchtitan's (its checkpoints are `--checkpoint.*`)."""
 
-    replicas: int = 2
-    """Replicas spawned at start, and the size the run regrows to after a death."""
+ENABLE = ("Train elastically under PyTorch Monarch: the launching process becomes the controller and spawns "
+          "`replicas` replicas of `procs_per_replica` procs each (one FSDP group per replica). A SIGKILLed worker "
+          "costs the survivors the step in flight; its replica is replaced and healed from a live one. Off: "
+          "torchtitan trains as usual (under torchrun).")
+"""`--monarch.enable`: the one setting of the section that is not the runtime's."""
 
-    min_replicas: int = 1
-    """
-    Fewest live replicas that may keep training. Below it the run stops (with a checkpoint when
-    `--checkpoint.enable` is set) instead of waiting.
-    """
+_NOTES = {
+    "events_path": "JSON-lines file of spawns, deaths, generations, dropped steps and heals (None: "
+                   "`<dump_folder>/monarch_events.jsonl`).",
+}
+"""Where a section field means more than the runtime's: torchtitan's `--dump_folder` fills it in."""
 
-    max_replicas: int | None = None
-    """Most replicas trained on at once; with `hosts`, a machine that joins mid-run grows the run up to it (None:
-    `replicas`)."""
 
-    procs_per_replica: int = 1
-    """
-    Procs in one replica: its FSDP group (`--parallelism.data_parallel_shard_degree`, which defaults to
-    it). When one of them dies the whole replica is replaced.
-    """
+def flag(field: str) -> str:
+    """A runtime setting as this section spells it: `--monarch.<field>`."""
+    return f"--monarch.{field}"
 
-    spares: int = 0
-    """
-    Hot spare replicas: they build the model and wait, so a death is answered by healing a spare into
-    the shrunken group at once rather than by starting a process.
-    """
 
-    forkserver: bool | None = None
-    """
-    Fork the replicas' processes from a server that imported torch and torchtitan once (10 s of CPU each here)
-    instead of starting fresh interpreters. None: on for CPU runs, off on GPU builds (`docs/runtime.md`).
-    """
+def _section() -> type:
+    """The `monarch` section: `enable`, then the runtime's settings, each with its field's type, default and
+    docstring (tyro shows it under `--help`), as torchft's `FaultTolerance` section feeds its manager."""
+    hints = typing.get_type_hints(ElasticConfig)
+    docs = field_docs()
+    fields = [("enable", Annotated[bool, tyro.conf.arg(help=ENABLE)], field(default=False))]
+    for f in front_end_fields(tuple(OWNED)):
+        default = field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else field(
+            default=f.default)
+        text = _NOTES.get(f.name) or spell_fields(docs[f.name].replace("``", "`"), flag)
+        fields.append((f.name, Annotated[hints[f.name], tyro.conf.arg(help=text)], default))
+    section = dataclasses.make_dataclass("MonarchConfig", fields, kw_only=True, slots=True)
+    section.__module__ = __name__  # where pickle and torchtitan's config tools find it
+    return section
 
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Backend of the cross-replica gradient reduction: auto picks nccl (RCCL on ROCm) on GPUs, gloo on CPU."""
 
-    max_restarts: int = 10
-    """Replacement replicas spawned over the whole run before the controller gives up."""
-
-    join_timeout_s: float = 2 * ElasticConfig.join_timeout_s
-    """
-    How long a (re)spawned replica may take to build its Trainer and reach the first step: twice the runtime's
-    default, because a torchtitan replica builds, parallelizes and (with `--checkpoint.enable`) loads its model
-    before it can join.
-    """
-
-    collective_timeout_s: float = 2 * ElasticConfig.collective_timeout_s
-    """
-    A cross-replica reduction slower than this is a hang: the controller finds the stuck replica and
-    replaces it. Twice the runtime's default: keep it above the longest gap between steps, and torchtitan
-    validates and saves checkpoints between steps.
-    """
-
-    fault: str | None = None
-    """
-    Opt-in fault injection for demos and tests, e.g. "sigkill:replica=1:step=5": every proc of replica 1
-    SIGKILLs itself at the start of torchtitan step 5. Only replicas spawned at the start are hit.
-    """
-
-    events_path: str | None = None
-    """JSON-lines file of spawns, deaths, generations, dropped steps and heals (None: <dump_folder>/monarch_events.jsonl)."""
-
-    hosts: list[str] = field(default_factory=list)
-    """
-    Monarch host agents to run the replicas on, one per machine, as `tcp://IP:PORT,...` (start one on each with
-    `monarch-plugin host --address tcp://IP:PORT`). Empty: every replica on this machine. A replica's procs (its
-    FSDP group) are always on one host; the job's script and environment must be at the same paths on every host.
-    See docs/multihost.md.
-    """
-
-    hosts_file: str | None = None
-    """A file of host agent addresses, one per line, re-read every second: a machine listed mid-run joins the run."""
-
-    replicas_per_host: int | None = None
-    """Most replicas on one host (None: as many as its GPUs hold, `procs_per_replica` each; on CPU no limit)."""
-
-    host_timeout_s: float = ElasticConfig.host_timeout_s
-    """A host not heard from for this long (dead, or its link down) is lost with all its replicas, in one change."""
-
-    store_host: str | None = None
-    """This machine's address on the job's network, which the controller listens on (None: the route to the first host)."""
+MonarchConfig = _section()
 
 
 def micro_batch_size(config: "MonarchTrainer.Config") -> int:
@@ -127,24 +82,12 @@ def global_batch_size(config: "MonarchTrainer.Config") -> int:
 
 
 def elastic_config(config: "MonarchTrainer.Config") -> ElasticConfig:
-    """The runtime's settings for this job; raises ConfigError naming the runtime field."""
+    """The runtime's settings for this job: the `monarch` section's, and torchtitan's folders; raises ConfigError
+    naming the runtime field."""
     monarch = config.monarch
-    return ElasticConfig(
-        replicas=monarch.replicas, min_replicas=monarch.min_replicas, max_replicas=monarch.max_replicas,
-        procs_per_replica=monarch.procs_per_replica, spares=monarch.spares, forkserver=monarch.forkserver,
-        cross_backend=monarch.backend,
-        max_restarts=monarch.max_restarts, join_timeout_s=monarch.join_timeout_s,
-        collective_timeout_s=monarch.collective_timeout_s, fault=monarch.fault,
-        events_path=monarch.events_path or os.path.join(config.dump_folder, "monarch_events.jsonl"),
-        checkpoint_dir=os.path.join(config.dump_folder, config.checkpoint.folder),
-        hosts=monarch.hosts, hosts_file=monarch.hosts_file, replicas_per_host=monarch.replicas_per_host,
-        host_timeout_s=monarch.host_timeout_s, store_host=monarch.store_host,
-    )
-
-
-def flag(field: str) -> str:
-    """A runtime setting as this section spells it: `--monarch.<field>` (`backend` for the cross-replica one)."""
-    return "--monarch.backend" if field == "cross_backend" else f"--monarch.{field}"
+    settings = {f.name: getattr(monarch, f.name) for f in front_end_fields(tuple(OWNED))}
+    settings["events_path"] = monarch.events_path or os.path.join(config.dump_folder, "monarch_events.jsonl")
+    return ElasticConfig(**settings, checkpoint_dir=os.path.join(config.dump_folder, config.checkpoint.folder))
 
 
 def validate(config: "MonarchTrainer.Config") -> None:

@@ -45,7 +45,7 @@ from monarch_plugin.integrations.torchtitan.config import (
 )
 from monarch_plugin.integrations.torchtitan.data import ElasticDataLoader
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
+from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 
 try:
     from torch.distributed.tensor import DTensor
@@ -145,25 +145,23 @@ class MonarchTrainer(Trainer):
         if self._tx is None:
             return super().train_step(data_iterator)
         self._in_step = True
+        zero_grad = lambda: self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)  # noqa
         try:
-            while True:
-                self._tx.sync(self._committed)
-                if self._committed >= self.step:
-                    return  # a peer committed this step while ours was dropped; the heal handed it over
-                if self._attempt(data_iterator):
-                    return
+            reduced = self._tx.commit(self.step, lambda: self._committed, lambda redo: self._attempt(data_iterator),
+                                      zero_grad)
         except DataloaderExhaustedError:
             self._tx.finish(lambda: self._committed)  # every replica reads the same stream: all ran out together
             raise
         finally:
             self._in_step = False
+        if reduced is not None:  # else a peer committed this step while ours was dropped; the heal handed it over
+            self._step_optimizer(reduced)
 
-    def _attempt(self, data_iterator) -> bool:
-        """One try at step `self.step` on the current generation; False if it was dropped."""
-        tx, parallel_dims = self._tx, self.parallel_dims
+    def _attempt(self, data_iterator) -> list[float]:
+        """One try at step `self.step` on the current generation: its forward and backward; the loss to sum."""
+        tx = self._tx
         self.dataloader.regroup(tx.rank, tx.world)
         self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs)
-        lr_metrics = self.lr_schedulers.get_metrics()
         should_log = self.metrics_processor.should_log(self.step)
         global_valid_tokens = torch.tensor(self.dataloader.valid_tokens(), dtype=torch.int64, device=self.device)
         local_valid_tokens = torch.tensor(0, dtype=torch.int64)
@@ -179,12 +177,14 @@ class MonarchTrainer(Trainer):
                                               global_valid_tokens=global_valid_tokens)
             loss_sum += loss.detach()
         self.ntokens_seen = tokens_before  # counted globally at commit, so a redone step is not counted twice
-        reduced = tx.reduce(self.step, [float(loss_sum)] if should_log else [],
-                            lambda: self.optimizers.zero_grad(set_to_none=self.config.training.disable_cuda_graphs))
-        if reduced is None:
-            return False
+        self._attempted = (should_log, loss_sum, global_valid_tokens, local_valid_tokens)
+        return [float(loss_sum)] if should_log else []
 
-        # Committed: every live replica summed this step's gradients.
+    def _step_optimizer(self, reduced: list[float]) -> None:
+        """The step committed (every live replica summed its gradients): clip, step, move the cursor, log."""
+        tx, parallel_dims = self._tx, self.parallel_dims
+        should_log, loss_sum, global_valid_tokens, local_valid_tokens = self._attempted
+        lr_metrics = self.lr_schedulers.get_metrics()
         grad_norm = dist_utils.clip_grad_norm_(self._params(), self.config.training.max_norm, foreach=True,
                                                pp_mesh=None, ep_enabled=False)
         self.checkpointer.maybe_wait_for_staging()
@@ -208,7 +208,6 @@ class MonarchTrainer(Trainer):
             )
         self.last_commit = CommittedStep(step=self.step, generation=tx.gen, replicas=tx.world, loss=loss,
                                          samples=samples)
-        return True
 
     def _write_give_up_checkpoint(self, committed: int) -> str | None:
         """The run stops (too few replicas): the generation's first replica writes torchtitan's checkpoint of
@@ -243,14 +242,15 @@ class MonarchTrainer(Trainer):
         self._committed = self.step
 
 
-class _HealState:
+class _HealState(TrainingState):
     """What a newcomer, or a replica that dropped a step its peers committed, receives from a live replica.
 
-    Served and loaded only at a step boundary (see the module docstring); each proc exchanges its own shards.
-    Everything that moves when a step commits is here, so the receiver continues exactly where the donor is.
+    Served and loaded only at a step boundary (see the module docstring), before this replica's loop steps its
+    schedulers, so even a replica one step behind takes everything; each proc exchanges its own shards.
     """
 
     def __init__(self, trainer: MonarchTrainer):
+        super().__init__(lambda: trainer.device)
         self.trainer = trainer
 
     @property
@@ -258,31 +258,34 @@ class _HealState:
         """The replica's FSDP mesh, on which received shards are rebuilt."""
         return next((p.device_mesh for p in self.trainer._params() if isinstance(p, DTensor)), None)
 
-    def state_dict(self) -> dict:
-        t = self.trainer
-        return {
-            "step": t._committed,
-            "ntokens_seen": t.ntokens_seen,
-            "model": [part.state_dict() for part in t.model_parts],
-            "optimizers": [optimizer.state_dict() for optimizer in t.optimizers.optimizers],
-            "lr_schedulers": t.lr_schedulers.state_dict(),
-            "data": t.dataloader.state_dict(),
-            "rng": rng_state(t.device),
-        }
+    @property
+    def modules(self) -> list:
+        return self.trainer.model_parts
 
-    def load_state_dict(self, state: dict) -> None:
+    @property
+    def optimizers(self) -> list:
+        return self.trainer.optimizers.optimizers
+
+    @property
+    def step(self) -> int:
+        return self.trainer._committed
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.trainer._committed = value
+        if not self.trainer._in_step:
+            self.trainer.step = value
+
+    def extra_state(self) -> dict:
         t = self.trainer
-        for part, saved in zip(t.model_parts, state["model"]):
-            part.load_state_dict(saved)
-        for optimizer, saved in zip(t.optimizers.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved)
+        return {"ntokens_seen": t.ntokens_seen, "lr_schedulers": t.lr_schedulers.state_dict(),
+                "data": t.dataloader.state_dict()}
+
+    def load_extra(self, state: dict, whole: bool) -> None:
+        t = self.trainer
         t.lr_schedulers.load_state_dict(state["lr_schedulers"])
         t.dataloader.load_state_dict(state["data"])
-        set_rng_state(state["rng"], t.device)
         t.ntokens_seen = state["ntokens_seen"]
-        t._committed = state["step"]
-        if not t._in_step:
-            t.step = state["step"]
 
 
 class _OneWriter:

@@ -69,7 +69,7 @@ class ReplicaSession:
         self.flags = ctx.flags
         self.provider = provider
         self.restore = restore
-        self.backend = resolve_backend(ctx.config.cross_backend)
+        self.backend = resolve_backend(ctx.config.backend)
         self.device = device_for_backend(self.backend, ctx.local_rank)
         if self.device.type == "cuda":  # NCCL binds a group to the current device: this lane's, not GPU 0
             torch.cuda.set_device(self.device)

@@ -14,6 +14,10 @@ their own hooks, and none of them emits a worker event or names a phase itself:
     ...
     tx.finish(lambda: committed)        # after the last step: leave together
 
+A framework's front end runs the middle as one call, `tx.commit(step, committed, attempt, zero_grad)`: the
+commit-or-redo loop, which reduces the attempt and, while it is dropped, enters the new generation and has the
+front end attempt the step again on its new shares, until it commits or a heal hands the step over.
+
 `committed` is the number of steps this replica has committed; `step` is the front end's own number for the step
 in flight, the one its users see and `--fault ...:step=N` names (0-based in ElasticLoop, Lightning and HF, 1-based
 in torchtitan). The state a newcomer heals from is the front end's (a `StateProvider`); its RNG part is
@@ -36,7 +40,7 @@ from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer
 from monarch_plugin.worker.session import ReplicaSession, StopReplica
 
-__all__ = ["StepTransaction", "rng_state", "set_rng_state", "PROGRESS_INTERVAL_S"]
+__all__ = ["StepTransaction", "TrainingState", "rng_state", "set_rng_state", "PROGRESS_INTERVAL_S"]
 
 PROGRESS_INTERVAL_S = 1.0
 """How often the generation's rank 0 records a `progress` event (its newest committed step): often enough for a
@@ -57,17 +61,20 @@ class StepTransaction:
         give_up: Callable[[int], str | None],
         newest_checkpoint: Callable[[], str | None] | None = None,
         restore: Callable[[str], int] | None = None,
+        on_join: Callable[[], None] = lambda: None,
     ):
         """`give_up(committed)` writes the front end's checkpoint when the controller gives up, and returns its
         path on the one proc that wrote it (None elsewhere); the replica then stops. `newest_checkpoint()` names
         the newest one the front end's own checkpointing holds, which a run that stops with no replica left holding
         its state tells its user to resume from (asked by the controller through the control actor, from its
-        thread). `restore(path)` loads one mid-run (a RESTORE generation) and returns its committed steps."""
+        thread). `restore(path)` loads one mid-run (a RESTORE generation) and returns its committed steps. `on_join()`
+        runs after this proc entered a generation, which may have moved its rank (who logs and writes)."""
         self.ctx = ctx
         ctx.newest_checkpoint = newest_checkpoint
         self.session = ReplicaSession(ctx, provider, restore)
         self.reducer = GradientReducer(params, self.session.device, overlap=overlap, buffers_of=buffers_of)
         self._give_up = give_up
+        self._on_join = on_join
         self._weight = 1.0
         self._announced_gen = -1
         self._progress_at = 0.0
@@ -106,6 +113,7 @@ class StepTransaction:
             if path is not None:
                 self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=committed, path=path)
             raise StopReplica("the controller gave up; checkpoint written", checkpoint=path)
+        self._on_join()
         return True
 
     def begin(self, step: int) -> None:
@@ -133,6 +141,30 @@ class StepTransaction:
             self.ctx.events.emit("dropped_step", replica=self.ctx.replica_id, step=step, gen=self.gen,
                                  reason=type(e).__name__)
             return None
+
+    def commit(self, step: int, committed: Callable[[], int], attempt: Callable[[bool], list[float]],
+               zero_grad: Callable[[], None], *, computed: bool = False) -> list[float] | None:
+        """Commit step `step`, redoing it as often as it is dropped: the commit-or-redo loop of every front end.
+
+        Each round enters a waiting generation and calls `attempt(redo)`, which computes the step's forward and
+        backward on this generation's shares (`redo`: a dropped attempt's gradients are gone) and returns the
+        metrics to sum; then the reduction. `computed`: the first attempt's backward already ran (HF's loop runs
+        it before the commit point), so the first round only reduces. Returns the summed metrics once the step
+        committed, for the front end to step its optimizer; or None when a peer committed the step while ours
+        was dropped and the heal handed this proc its result (`committed()`, the front end's count of committed
+        steps, moved past the step's; its gradients are cleared)."""
+        start, redo, metrics = committed(), False, []
+        while True:
+            if not computed:
+                self.sync(start)
+                if committed() > start:
+                    zero_grad()
+                    return None
+                metrics = attempt(redo)
+            reduced = self.reduce(step, metrics, zero_grad)
+            if reduced is not None:
+                return reduced
+            computed, redo = False, True
 
     def committed(self, step: int) -> None:
         """Step `step` was committed (the optimizer stepped): the generation's first commit is an event, and one
@@ -172,6 +204,58 @@ class StepTransaction:
 
     def close(self) -> None:
         self.session.close()
+
+
+class TrainingState:
+    """The base of the front ends' heal states (their `StateProvider`): what a newcomer, or a member that dropped a
+    step its peers committed, receives from a live peer.
+
+    It carries what every front end has: the modules' and optimizers' states, the RNG and the committed steps; a
+    front end adds its own (`extra_state`, `load_extra`). A newcomer takes everything. A member healed while
+    `catching_up` (inside a step it dropped and a peer committed, in a loop that is about to finish that step)
+    keeps its own learning rates, schedulers, loop progress and RNG, because its loop advances them past the step
+    exactly as the donor's already did; it takes the weights, the optimizer's state and the data cursor.
+    """
+
+    device_mesh = None
+    """Where received shards live (FSDP's mesh); None for an unsharded model."""
+
+    def __init__(self, device: Callable[[], torch.device]):
+        self._device = device
+
+    modules: list[torch.nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    step: int
+    """The committed steps (front ends define these three as properties over their framework's objects)."""
+
+    def catching_up(self) -> bool:
+        return False
+
+    def extra_state(self) -> dict:
+        return {}
+
+    def load_extra(self, state: dict, whole: bool) -> None:
+        """Load the front end's own parts of `state`; `whole`: everything (not `catching_up`)."""
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "model": [m.state_dict() for m in self.modules],
+                "optimizers": [o.state_dict() for o in self.optimizers], **self.extra_state(),
+                "rng": rng_state(self._device())}  # last: a stream's state read ahead, and the RNG as of after it
+
+    def load_state_dict(self, state: dict) -> None:
+        whole = not self.catching_up()
+        for module, saved in zip(self.modules, state["model"]):
+            module.load_state_dict(saved)
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            optimizer.load_state_dict(saved)
+            if not whole:
+                for group, hyper in zip(optimizer.param_groups, own):
+                    group.update(hyper)
+        self.load_extra(state, whole)
+        if whole:
+            set_rng_state(state["rng"], self._device())
+        self.step = state["step"]
 
 
 def rng_state(device: torch.device) -> dict:

@@ -476,7 +476,7 @@ class _Stream(torch.utils.data.IterableDataset):
 
 def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="monarch", logger=False)
-    assert isinstance(trainer.strategy, MonarchStrategy) and trainer.strategy.replicas == 2
+    assert isinstance(trainer.strategy, MonarchStrategy) and trainer.strategy.launcher.replicas == 2
     try:
         import pytorch_lightning
     except ImportError:
@@ -484,9 +484,9 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     else:  # the standalone package has its own class hierarchy and registry; the name works there too
         trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=3, strategy="monarch", logger=False)
         assert isinstance(trainer.strategy, pytorch_lightning.strategies.ParallelStrategy)
-        assert type(trainer.strategy).__name__ == "MonarchStrategy" and trainer.strategy.replicas == 3
+        assert type(trainer.strategy).__name__ == "MonarchStrategy" and trainer.strategy.launcher.replicas == 3
         trainer = pytorch_lightning.Trainer(accelerator="cpu", devices=4, strategy="monarch_fsdp", logger=False)
-        assert type(trainer.strategy).__name__ == "MonarchFSDPStrategy" and trainer.strategy.replicas == 2
+        assert type(trainer.strategy).__name__ == "MonarchFSDPStrategy" and trainer.strategy.launcher.replicas == 2
 
     with pytest.raises(MisconfigurationException, match=r"raise `devices` or lower `min_replicas`"):
         pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(min_replicas=3), logger=False)
@@ -494,7 +494,7 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
         pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(backend="mpi"), logger=False)
 
     trainer = pl.Trainer(accelerator="cpu", devices=6, strategy="monarch_fsdp", logger=False)
-    assert isinstance(trainer.strategy, MonarchFSDPStrategy) and trainer.strategy.elastic_config().replicas == 3
+    assert isinstance(trainer.strategy, MonarchFSDPStrategy) and trainer.strategy.launcher.config().replicas == 3
     with pytest.raises(MisconfigurationException, match=r"make devices a multiple of procs_per_replica"):
         pl.Trainer(accelerator="cpu", devices=5, strategy=MonarchFSDPStrategy(procs_per_replica=2), logger=False)
 
@@ -527,10 +527,10 @@ def test_events_default_to_the_trainers_root_dir_one_file_per_stage(tmp_path, mo
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="monarch", logger=False,
                          default_root_dir=str(tmp_path))
     strategy = trainer.strategy
-    assert strategy.elastic_config(root_dir=trainer.default_root_dir).events_path == str(
+    assert strategy.launcher.config(root_dir=trainer.default_root_dir).events_path == str(
         tmp_path / "monarch_events.jsonl")
-    test = strategy.elastic_config(root_dir=trainer.default_root_dir, stage="test")
+    test = strategy.launcher.config(root_dir=trainer.default_root_dir, stage="test")
     assert test.events_path == str(tmp_path / "monarch_events-test.jsonl")
     assert (test.max_restarts, test.spares, test.min_replicas) == (0, 0, 1)  # an evaluation stage respawns nobody
     monkeypatch.setenv("MONARCH_PLUGIN_EVENTS", str(tmp_path / "mine.jsonl"))
-    assert strategy.elastic_config(root_dir=trainer.default_root_dir).events_path == str(tmp_path / "mine.jsonl")
+    assert strategy.launcher.config(root_dir=trainer.default_root_dir).events_path == str(tmp_path / "mine.jsonl")

@@ -255,12 +255,13 @@ def test_monarch_section_parses_from_the_command_line():
     config = _parse("--config", "llama3_debugmodel_cpu", "--monarch.enable", "--monarch.replicas", "3",
                     "--monarch.min_replicas", "2", "--monarch.max_replicas", "4", "--monarch.procs_per_replica", "2",
                     "--monarch.spares", "1", "--monarch.fault", "sigkill:replica=1:step=5",
-                    "--monarch.hosts", "tcp://127.0.0.1:26600,tcp://127.0.0.1:26601", "--monarch.host_timeout_s", "4")
+                    "--monarch.hosts", "tcp://127.0.0.1:26600,tcp://127.0.0.1:26601", "--monarch.host_timeout_s", "4",
+                    "--monarch.heal_donors", "1", "--monarch.crash_loop_limit", "5")
     assert isinstance(config, MonarchTrainer.Config)
     assert config.monarch == MonarchConfig(enable=True, replicas=3, min_replicas=2, max_replicas=4,
                                            procs_per_replica=2, spares=1, fault="sigkill:replica=1:step=5",
                                            hosts=["tcp://127.0.0.1:26600", "tcp://127.0.0.1:26601"],
-                                           host_timeout_s=4.0)
+                                           host_timeout_s=4.0, heal_donors=1, crash_loop_limit=5)
     assert not _parse("--config", "llama3_debugmodel_cpu").monarch.enable
     assert _parse("--config", "llama3_debugmodel_elastic").monarch.procs_per_replica == 2
     # In the launching process an enabled job builds the controller, not a Trainer.

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(60)
         (dict(replicas=2, min_replicas=3, max_replicas=2), "lower `min_replicas` or raise `max_replicas`"),
         (dict(replicas=0), "`replicas` must be a positive integer"),
         (dict(replicas=4, max_replicas=3), "must lie between"),
-        (dict(cross_backend="mpi"), "choose one of auto, gloo, nccl"),
+        (dict(backend="mpi"), "choose one of auto, gloo, nccl"),
         (dict(batch_policy="whatever"), "choose one of constant_global, constant_local"),
         (dict(scale_lr_with_replicas=True), "only applies to `batch_policy`='constant_local'"),
         (dict(collective_timeout_s=0), "positive number of seconds"),
@@ -106,7 +106,7 @@ def test_a_config_error_names_its_field_in_each_front_ends_spelling():
         ElasticConfig(replicas=2, min_replicas=3, max_replicas=2)
     assert raised.value.field == "min_replicas"
     assert spell_fields(str(raised.value), cli_flag).startswith("--min-replicas (3) is larger than --max-replicas (2)")
-    assert spell_fields("`cross_backend`, `join_timeout_s` and `devices`", cli_flag) == (
+    assert spell_fields("`backend`, `join_timeout_s` and `devices`", cli_flag) == (
         "--backend, --join-timeout and `devices`")  # not a runtime field: left as written
 
 
@@ -122,7 +122,7 @@ def test_monarch_run_takes_every_setting_with_its_docstring_and_default():
     ns = parser.parse_args(["--join-timeout", "12", "--backend", "gloo", "--batch-policy", "constant_local",
                             "--scale-lr-with-replicas", "train.py", "--lr", "3"])
     config = config_from_args(ns)
-    assert (config.join_timeout_s, config.cross_backend, config.scale_lr_with_replicas) == (12.0, "gloo", True)
+    assert (config.join_timeout_s, config.backend, config.scale_lr_with_replicas) == (12.0, "gloo", True)
     assert (ns.target, ns.args) == ("train.py", ["--lr", "3"])
 
 

@@ -57,11 +57,13 @@ def test_reference_has_every_setting_and_each_front_ends_spelling():
     section = page[page.index("### `min_replicas`"):page.index("### `max_replicas`")]
     assert "`--min-replicas MIN_REPLICAS`" in section and "| Lightning | `min_replicas` |" in section
     assert "`--monarch.min_replicas`" in section
-    backend = page[page.index("### `cross_backend`"):page.index("### `batch_policy`")]
+    backend = page[page.index("### `backend`"):page.index("### `batch_policy`")]
     assert "`--backend {auto,gloo,nccl}`" in backend and "| Lightning | `backend` |" in backend
     assert "`--monarch.backend`" in backend
-    timeout = page[page.index("### `join_timeout_s`"):page.index("### `collective_timeout_s`")]
-    assert f"default `{2 * ElasticConfig.join_timeout_s!r}`" in timeout  # torchtitan's own default
+    heal = page[page.index("### `heal_donors`"):page.index("### `forkserver`")]
+    assert "| Lightning | `heal_donors` |" in heal and "`--monarch.heal_donors`" in heal  # every one, everywhere
+    steps = page[page.index("### `checkpoint_steps`"):page.index("### `checkpoint_interval_s`")]
+    assert "| Lightning | not taken: `ElasticLoop`'s own" in steps
     assert "### `--monarch.enable`" in page  # torchtitan's own setting
 
 
@@ -75,7 +77,7 @@ def config_errors() -> list[str]:
     dict(replicas=2, min_replicas=3, max_replicas=2),
     dict(replicas=0),
     dict(replicas=4, max_replicas=3),
-    dict(cross_backend="mpi"),
+    dict(backend="mpi"),
     dict(collective_timeout_s=0),
     dict(hosts=["10.0.0.2:26600"]),
     dict(fault="explode:step=3"),
