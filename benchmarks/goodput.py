@@ -198,7 +198,7 @@ def _all_pids(out: Path) -> list[int]:
                 cmdline = f.read()
         except OSError:
             continue
-        if b"workload.py" in cmdline or b"monarch_plugin.forkserver" in cmdline:
+        if b"workload.py" in cmdline or b"monarch_plugin.procs.forkserver" in cmdline:
             ours.append(pid)
     return ours
 

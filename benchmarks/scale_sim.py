@@ -54,7 +54,7 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
              report) -> None:
     import torch.distributed as dist
 
-    from monarch_plugin.worker.collectives import GenerationChanged, barrier
+    from monarch_plugin.handshake import GenerationChanged, barrier
 
     timeout_s = float(env.get("MONARCH_PLUGIN_JOIN_TIMEOUT_S", "120"))
     store = dist.TCPStore(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]), is_master=False,

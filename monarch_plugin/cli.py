@@ -1,4 +1,4 @@
-"""`monarch-run`: torchrun's job, elastic, on Monarch.
+"""`monarch-run`: torchrun's job, elastic, on Monarch; and `monarch-plugin`: a host agent, and a run read back.
 
     monarch-run --replicas 4 --min-replicas 2 [--procs-per-replica k] train.py --lr 3e-4
     monarch-run --replicas 4 -m my_pkg.train --lr 3e-4
@@ -7,20 +7,31 @@
 The calling process becomes the single controller; each replica's procs get the usual torch.distributed
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) scoped to their own replica group, and
 reach the elastic runtime through `monarch_plugin.ElasticLoop`.
+
+    monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts]
+    monarch-plugin summary monarch_events.jsonl
+    monarch-plugin timeline monarch_events.jsonl -o run.png [--html run.html]
+
+`host` runs this machine's Monarch host agent (`procs.agent`). `summary` prints each failure of a run as a table,
+with the run's totals and goodput (`report.format_summary`); `timeline` draws the run over time (`timeline`;
+matplotlib, the `viz` extra). Both read only the events file and import neither torch nor Monarch
+(docs/observing.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
 import sys
 
 from monarch_plugin.config import (BACKENDS, BATCH_POLICIES, ElasticConfig, cli_flag, field_default, field_docs,
                                    spell_fields)
-from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError
+from monarch_plugin.errors import ConfigError, ElasticRunAborted, MissingExtraError, ReplicaCodeError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "plugin"]
 
 _CHOICES = {"backend": BACKENDS, "batch_policy": BATCH_POLICIES}
 _TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
@@ -80,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2
-    from monarch_plugin import forkserver
+    from monarch_plugin.procs import forkserver
 
     forkserver.for_run(config, target.imports)  # its imports run beside the controller's, which follow
     from monarch_plugin.controller import ElasticController
@@ -98,6 +109,86 @@ def main(argv: list[str] | None = None) -> int:
     for line in run_summary(result):
         print(f"monarch-run: {line}")
     return 0
+
+
+def _events(command: str, path: str) -> list[dict] | None:
+    """The events in `path`, or None after saying on stderr why there are none to read."""
+    from monarch_plugin.events import read_events
+
+    if not os.path.isfile(path):
+        print(f"monarch-plugin {command}: error: no events file at {path}: give the path a run wrote its events "
+              "to (`--events`; by default ./monarch_events.jsonl, or $MONARCH_PLUGIN_EVENTS)", file=sys.stderr)
+        return None
+    try:
+        return read_events(path)
+    except json.JSONDecodeError as e:
+        print(f"monarch-plugin {command}: error: {path} is not a run's events file (one JSON object a line): {e}",
+              file=sys.stderr)
+        return None
+
+
+def _summary(ns: argparse.Namespace) -> int:
+    from monarch_plugin.report import format_summary
+
+    events = _events("summary", ns.events)
+    if events is None:
+        return 2
+    print(f"events: {ns.events}")
+    print("\n".join(format_summary(events)))
+    return 0
+
+
+def _timeline(ns: argparse.Namespace) -> int:
+    from monarch_plugin.timeline import write_html, write_png
+
+    events = _events("timeline", ns.events)
+    if events is None:
+        return 2
+    if not events:
+        print(f"monarch-plugin timeline: error: {ns.events} is empty: the run wrote no events to draw",
+              file=sys.stderr)
+        return 2
+    name = os.path.basename(ns.events)
+    png = ns.output or (None if ns.html else os.path.splitext(ns.events)[0] + ".png")
+    try:
+        for path, write in ((png, write_png), (ns.html, write_html)):
+            if path:
+                write(events, name, path)
+                print(f"monarch-plugin timeline: wrote {path}")
+    except MissingExtraError as e:
+        print(f"monarch-plugin timeline: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def plugin(argv: list[str] | None = None) -> int:
+    """`monarch-plugin`."""
+    parser = argparse.ArgumentParser(
+        prog="monarch-plugin",
+        description="A Monarch host agent for multi-host runs, and a finished run's events read back.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    host = commands.add_parser("host", help="run this machine's Monarch host agent for multi-host runs")
+    host.add_argument("--address", required=True, metavar="tcp://IP:PORT",
+                      help="where the agent listens: this machine's IP on the job's network, and a free port")
+    host.add_argument("--hosts-file", metavar="PATH",
+                      help="append the address to this file (on a filesystem the controller reads) once listening, "
+                           "so a run started with `--hosts-file PATH` finds this host, also mid-run")
+    summary = commands.add_parser("summary", help="print a run's failures as a table, with its totals and goodput")
+    summary.add_argument("events", metavar="EVENTS.jsonl", help="the run's events file")
+    timeline = commands.add_parser("timeline", help="draw a run over time: replicas, steps/s, failures, recoveries")
+    timeline.add_argument("events", metavar="EVENTS.jsonl", help="the run's events file")
+    timeline.add_argument("-o", "--output", metavar="RUN.png",
+                          help="write the picture as a PNG here (default, without --html: EVENTS.png)")
+    timeline.add_argument("--html", metavar="RUN.html",
+                          help="write a self-contained page here: the picture with hover tooltips, and the summary")
+    ns = parser.parse_args(argv)
+    if ns.command == "summary":
+        return _summary(ns)
+    if ns.command == "timeline":
+        return _timeline(ns)
+    from monarch_plugin.procs.agent import serve
+
+    return serve(ns.address, ns.hosts_file)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ class ElasticConfig:
     forkserver: bool | None = None
     """Start the replica processes on this machine by forking a server that has imported torch and the training
     code's framework (Lightning, transformers, torchtitan) once, instead of as fresh interpreters that each import
-    them again: a replacement's process is ready in under a second (`monarch_plugin.forkserver`). None: on for CPU
+    them again: a replacement's process is ready in under a second (`monarch_plugin.procs.forkserver`). None: on for CPU
     runs, off on GPU builds (untested there; a library that touched the CUDA driver at import would leave every
     forked child without CUDA). The hosts of a multi-host run start theirs the usual way."""
 
@@ -133,7 +133,7 @@ class ElasticConfig:
 
     checkpoint_dir: str = "monarch_checkpoints"
     """Where durable checkpoints are written: when the run gives up, and every ``checkpoint_steps`` /
-    ``checkpoint_interval_s`` (one writer; `monarch_plugin.worker.checkpoint`)."""
+    ``checkpoint_interval_s`` (one writer; `monarch_plugin.checkpoint`)."""
 
     checkpoint_steps: int = 0
     """An `ElasticLoop` run writes a durable checkpoint every this many committed steps, from one replica, while

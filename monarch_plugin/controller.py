@@ -27,24 +27,30 @@ from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError
 from monarch_plugin.events import EventLog, read_events
-from monarch_plugin.hosts import Hosts
+from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
+from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
     Action,
+    Died,
+    HostLost,
+    HostUp,
     Key,
     Outcome,
     Phase,
     Plan,
+    Probed,
     ReplicaState,
+    Report,
+    Returned,
+    Spawned,
     mesh_names,
     replica_of_mesh,
     spawned_by_controller,
     unfit_members,
 )
 from monarch_plugin.target import Target
-from monarch_plugin.worker.checkpoint import newest, newest_written, step_of
-from monarch_plugin.worker.collectives import supersede
-from monarch_plugin.worker.session import FORMATION_BOUND_S
+from monarch_plugin.checkpoint import newest, newest_written, step_of
 
 __all__ = ["ElasticController", "RunResult"]
 
@@ -278,17 +284,17 @@ class ElasticController:
             future = replica.actor.run.call(self.target)
         except Exception as e:  # noqa: BLE001 - a failed spawn is reported as a death of that replica
             if not self.hosts.gone(replica.rid):  # else its host's loss takes it, and it is no crash of its own
-                self._q.put(("died", replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
+                self._q.put(Died(replica.rid, f"spawn failed: {type(e).__name__}: {e}"))
             return
         self.events.emit("spawn", replica=replica.rid, pids=replica.pids, initial=replica.initial,
                          host=self.hosts.host_of(replica.rid).name, seconds=round(time.time() - replica.spawned_at, 3))
-        self._q.put(("spawned", replica.rid, None))
+        self._q.put(Spawned(replica.rid))
         try:
             results = list(future.get().values())
         except Exception as e:  # noqa: BLE001 - supervision errors mean the process died
-            self._q.put(("died", replica.rid, f"supervision ({type(e).__name__}: {_first_line(e)})"))
+            self._q.put(Died(replica.rid, f"supervision ({type(e).__name__}: {_first_line(e)})"))
             return
-        self._q.put(("returned", replica.rid, results))
+        self._q.put(Returned(replica.rid, results))
 
     def _wait_for_initial(self) -> None:
         deadline = time.monotonic() + self.config.join_timeout_s
@@ -350,7 +356,7 @@ class ElasticController:
         except queue.Empty:
             item = None
         while item is not None:
-            self._handle(*item)
+            self._handle(item)
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
@@ -359,29 +365,20 @@ class ElasticController:
             if r.state == ReplicaState.SPAWNING and r.pids and self._is_ready(r):
                 r.state = ReplicaState.WAITING
 
-    def _handle(self, kind: str, rid: int, payload: Any) -> None:
-        """One report: of a replica (`rid` its id); for `host_lost` and `host_up`, of a host (`rid` its index); for
-        `stall_probed` and `wedge_probed`, a probe's answers (`rid` the generation it probed, stale once another
-        has been published)."""
-        if kind in ("stall_probed", "wedge_probed"):
-            if rid == self.gen and not self._closing.is_set():
-                (self._judge_stall if kind == "stall_probed" else self._judge_wedged)(payload)
-            return
-        replica = self.replicas.get(rid)
-        if replica is None and not kind.startswith("host_"):
-            return
-        if kind == "host_lost":
-            self._on_host_lost(rid, payload)
-            return
-        if kind == "host_up":
-            self._on_host_up(rid, returning=payload)
-            return
-        if kind == "spawned":
-            return
-        if kind == "died":
-            self._on_death(replica, payload)
-        elif kind == "returned":
-            self._on_return(replica, payload)
+    def _handle(self, report: Report) -> None:
+        match report:
+            case Probed(gen=gen) if gen != self.gen or self._closing.is_set():
+                pass
+            case Probed(statuses=statuses, wedged=wedged):
+                (self._judge_wedged if wedged else self._judge_stall)(statuses)
+            case HostLost(host=host, why=why):
+                self._on_host_lost(host, why)
+            case HostUp(host=host, returning=returning):
+                self._on_host_up(host, returning=returning)
+            case Died(replica=rid, how=how) if rid in self.replicas:
+                self._on_death(self.replicas[rid], how)
+            case Returned(replica=rid, outcomes=outcomes) if rid in self.replicas:
+                self._on_return(self.replicas[rid], outcomes)
 
     def _is_ready(self, replica: _Replica) -> bool:
         key = Key.ready(replica.rid)
@@ -574,13 +571,13 @@ class ElasticController:
         if stuck:
             self._treat_as_hung(stuck, "hang (never ready)")
 
-    def _probe(self, kind: str) -> None:
+    def _probe(self, wedged: bool) -> None:
         """Ask the current generation's members what they are doing, on a thread of its own: the answers come back
-        on the queue as `(kind, gen, answers)`, and meanwhile the controller goes on noticing deaths and host losses
+        on the queue (`Probed`), and meanwhile the controller goes on noticing deaths and host losses
         (a probe of a frozen member takes `_PROBE_TIMEOUT_S`, and one of a cut-off host's never answers)."""
         g = self.gen
         members = [self.replicas[m] for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
-        threading.Thread(target=lambda: self._q.put((kind, g, self._statuses(members))), daemon=True,
+        threading.Thread(target=lambda: self._q.put(Probed(g, self._statuses(members), wedged)), daemon=True,
                          name=f"monarch-plugin-probe-{g}").start()
 
     def _check_stalled(self) -> None:
@@ -593,7 +590,7 @@ class ElasticController:
         if time.monotonic() - first_seen < _STALL_GRACE_S:
             return
         self._stall_probed = self.gen
-        self._probe("stall_probed")
+        self._probe(wedged=False)
 
     def _judge_stall(self, answers: dict[int, list[dict] | None]) -> None:
         """The current generation stalled and its members answered (or did not): the one stuck outside the
@@ -640,7 +637,7 @@ class ElasticController:
             return
         self._wedge_checked = g
         if not self._formed(g):
-            self._probe("wedge_probed")
+            self._probe(wedged=True)
 
     def _judge_wedged(self, answers: dict[int, list[dict] | None]) -> None:
         g = self.gen
@@ -752,15 +749,15 @@ class ElasticController:
             deadline = time.monotonic() + self.config.join_timeout_s
             while time.monotonic() < deadline and any(self.replicas[m].state == ReplicaState.MEMBER for m in holders):
                 try:
-                    kind, rid, payload = self._q.get(timeout=0.05)
+                    report = self._q.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if kind == "returned":
-                    self.replicas[rid].state = ReplicaState.STOPPED
+                if isinstance(report, Returned):
+                    self.replicas[report.replica].state = ReplicaState.STOPPED
                     # The first proc that wrote one (a replica writes one per proc when each holds its own state).
-                    checkpoint = checkpoint or next((o.checkpoint for o in payload if o.checkpoint), None)
-                elif kind == "died":
-                    self.replicas[rid].state = ReplicaState.DEAD
+                    checkpoint = checkpoint or next((o.checkpoint for o in report.outcomes if o.checkpoint), None)
+                elif isinstance(report, Died):
+                    self.replicas[report.replica].state = ReplicaState.DEAD
         resume_from = checkpoint or self._newest_checkpoint(
             [r.rid for r in self.replicas.values() if r.state.live and r.control is not None])
         self.events.emit("give_up", reason=reason, checkpoint=checkpoint, resume_from=resume_from)
@@ -780,7 +777,7 @@ class ElasticController:
         """A failure nobody handled, during this run (`_FaultRouter`): a replica's death, or nothing of ours."""
         rid = replica_of_mesh(str(getattr(failure, "mesh_name", "")))
         if rid is not None:  # Monarch's own per-mesh actors (its logger) also fail; the replica's actors report it
-            self._q.put(("died", rid, f"supervision ({_first_line(failure)})"))
+            self._q.put(Died(rid, f"supervision ({_first_line(failure)})"))
 
     # -- shutdown --------------------------------------------------------------------------------------------
 

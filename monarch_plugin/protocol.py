@@ -113,6 +113,16 @@ class Key:
         return f"plan/{gen}"
 
     @staticmethod
+    def arrived(barrier: str) -> str:
+        """Counter: members that reached the arrival barrier named `barrier` (`handshake.barrier`)."""
+        return f"{barrier}/arrived"
+
+    @staticmethod
+    def decision(barrier: str) -> str:
+        """The barrier's outcome, set once by compare-and-set: go, superseded or timed out."""
+        return f"{barrier}/decision"
+
+    @staticmethod
     def ready(replica: int) -> str:
         """Counter: procs of the replica that started and formed their replica's own group."""
         return f"ready/{replica}"
@@ -251,3 +261,59 @@ def replica_of_mesh(name: str) -> int | None:
     """The replica a failed actor mesh belongs to; None for Monarch's own per-mesh actors (its logger)."""
     match = _MESH.match(name)
     return int(match.group(1)) if match else None
+
+
+# -- reports on the controller's queue: what its threads (spawns, probes) and the hosts' watchers saw -------------
+
+
+@dataclass(frozen=True)
+class Spawned:
+    """A replica's procs and actors are up (it is not ready until it counts itself in `Key.ready`)."""
+
+    replica: int
+
+
+@dataclass(frozen=True)
+class Died:
+    """A proc of the replica died, or its spawn failed; `how` says what saw it (pidfd, watcher, supervision)."""
+
+    replica: int
+    how: str
+
+
+@dataclass(frozen=True)
+class Returned:
+    """The replica's procs returned from the training code, each with its `Outcome`."""
+
+    replica: int
+    outcomes: list
+
+
+@dataclass(frozen=True)
+class HostLost:
+    """The host (its index) stopped answering, with all its replicas; `why` says how it was seen."""
+
+    host: int
+    why: str
+
+
+@dataclass(frozen=True)
+class HostUp:
+    """An agent attached: new capacity, or (`returning`) a machine of the run that came back."""
+
+    host: int
+    returning: bool
+
+
+@dataclass(frozen=True)
+class Probed:
+    """A probe's answers from generation `gen`'s members (stale once another is published): of a stalled
+    generation, or (`wedged`) of one whose members stopped reporting progress."""
+
+    gen: int
+    statuses: dict
+    wedged: bool
+
+
+Report = Spawned | Died | Returned | HostLost | HostUp | Probed
+"""One item on the controller's queue."""

@@ -89,7 +89,7 @@ class NetnsHosts:
         self.ports[i] = port
         log = open(self.tmp / f"agent{i}-{port}.log", "w")
         self.agents[i] = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[i], sys.executable, "-m", "monarch_plugin.agent", "host",
+            ["ip", "netns", "exec", self.names[i], sys.executable, "-m", "monarch_plugin.procs.agent", "host",
              "--address", f"tcp://{self.ip(i)}:{port}", "--hosts-file", str(self.hosts_file)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from monarch_plugin.worker.checkpoint import save
+from monarch_plugin.checkpoint import save
 
 __all__ = ["AtomicCheckpointIO"]
 

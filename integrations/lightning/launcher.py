@@ -49,7 +49,7 @@ from monarch_plugin.worker import context as _context
 
 
 FROM_TRAINER = {
-    "replicas": "`Trainer(devices=..., num_nodes=...)`: `devices` x `num_nodes` procs, `procs_per_replica` to a replica",
+    "replicas": "`Trainer(devices=..., num_nodes=...)`: `devices` x `num_nodes` procs, `procs_per_replica` each",
     "procs_per_replica": "1 for `MonarchStrategy`; `MonarchFSDPStrategy(procs_per_replica=...)`",
     "replicas_per_host": "with `hosts`, `Trainer(devices=...)` over `procs_per_replica`: `devices` is per host",
 }

@@ -18,7 +18,7 @@ from monarch.actor import Actor, current_rank, endpoint
 from monarch_plugin.protocol import Outcome
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
-from monarch_plugin.worker.lease import Lease
+from monarch_plugin.procs.lease import Lease
 
 __all__ = ["ReplicaActor", "ControlActor"]
 

@@ -20,34 +20,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from monarch_plugin.handshake import (CollectiveFailed, CollectiveInterrupted, CollectiveTimedOut,
+                                      GenerationChanged, barrier)
 from monarch_plugin.worker.context import Flags
 
-__all__ = [
-    "CollectiveInterrupted",
-    "GenerationChanged",
-    "CollectiveFailed",
-    "CollectiveTimedOut",
-    "wait_all",
-    "barrier",
-    "supersede",
-    "new_group",
-]
-
-
-class CollectiveInterrupted(RuntimeError):
-    """The collective did not complete; the step in flight must be dropped."""
-
-
-class GenerationChanged(CollectiveInterrupted):
-    """The controller formed a new generation (a peer died or was replaced)."""
-
-
-class CollectiveFailed(CollectiveInterrupted):
-    """The backend reported an error (typically: the ring neighbour died)."""
-
-
-class CollectiveTimedOut(CollectiveInterrupted):
-    """No completion within collective_timeout_s: some peer stopped making progress."""
+__all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "wait_all",
+           "new_group"]
 
 
 def wait_all(works: list, flags: Flags, gen: int, timeout_s: float, interruptible: bool = True) -> None:
@@ -90,44 +68,6 @@ def wait_all(works: list, flags: Flags, gen: int, timeout_s: float, interruptibl
             done.wait(min(left, 1.0))
     finally:
         flags.install_waiter(None)
-
-
-_GO, _SUPERSEDED, _TIMED_OUT = b"go", b"superseded", b"timed out"
-
-
-def barrier(store: dist.Store, prefix: str, world: int, timeout_s: float, superseded: Callable[[], bool]) -> None:
-    """Return once all `world` members have arrived at `prefix`; raise GenerationChanged if it was superseded first,
-    CollectiveTimedOut if a member did not arrive in `timeout_s`.
-
-    The outcome is decided once, by compare-and-set on `<prefix>/decision`, so no member can go on while another
-    walks away: the last to arrive decides "go"; the controller (`supersede`), or a member that finds itself
-    superseded on arriving, decides "superseded"; a member that waited `timeout_s` decides "timed out". Every
-    member blocks on the decision in the store (one request, answered when the key is written), never polls: a
-    thousand replicas polling a barrier every few milliseconds were hundreds of thousands of requests a second on
-    the controller's one store, and the decision came only as fast as the store could answer them."""
-    decision_key = f"{prefix}/decision"
-    if store.add(f"{prefix}/arrived", 1) >= world:
-        decision = store.compare_set(decision_key, "", _GO)
-    elif superseded():
-        decision = store.compare_set(decision_key, "", _SUPERSEDED)
-    else:
-        try:
-            store.wait([decision_key], datetime.timedelta(seconds=timeout_s))
-        except dist.DistStoreError:
-            pass
-        decision = store.compare_set(decision_key, "", _TIMED_OUT)
-    if decision == _GO:
-        return
-    if decision == _SUPERSEDED:
-        raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation)")
-    raise CollectiveTimedOut(f"{prefix}: formation abandoned (a member did not arrive in {timeout_s:.0f}s)")
-
-
-def supersede(store: dist.Store, prefix: str) -> None:
-    """Decide the barrier at `prefix` "superseded" unless it is already decided: its waiting members leave it at
-    once, and any that arrive later leave on arriving. The controller calls it for the formations of a
-    generation it has just replaced."""
-    store.compare_set(f"{prefix}/decision", "", _SUPERSEDED)
 
 
 def new_group(

@@ -23,7 +23,7 @@ import torch
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.checkpoint import CheckpointWriter, file_name, lane_file, newest, save
+from monarch_plugin.checkpoint import CheckpointWriter, file_name, lane_file, newest, save
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 

@@ -27,29 +27,18 @@ import torch.distributed as dist
 
 from monarch_plugin.backend import device_for_backend, resolve_backend
 from monarch_plugin.protocol import Action, Key, Phase, Plan, unfit_line
-from monarch_plugin.worker.collectives import (
-    CollectiveInterrupted,
-    CollectiveTimedOut,
-    GenerationChanged,
-    abandon,
-    barrier,
-    new_group,
-    wait_all,
-)
+from monarch_plugin.handshake import (FORMATION_BOUND_S, CollectiveInterrupted, CollectiveTimedOut, GenerationChanged,
+                                      barrier)
+from monarch_plugin.worker.collectives import abandon, new_group, wait_all
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider, plan_heal, transfer_state
 
-__all__ = ["ReplicaSession", "StopReplica", "FORMATION_BOUND_S", "PLAN_CHECK_S"]
+__all__ = ["ReplicaSession", "StopReplica", "PLAN_CHECK_S"]
 
 PLAN_CHECK_S = 1.0
 """How long a worker waiting for its next generation waits for the controller's push before it reads the newest
 plan from the store itself: one request a second per waiting proc, whatever the number of replicas."""
 
-FORMATION_BOUND_S = 10.0
-"""Forming a generation's group among members that all passed its arrival barrier, and exchanging their
-steps, takes milliseconds (4-300 ms measured here, under load). Past this bound it never will (a member's
-construction wedged): the member reports a stall, and the controller re-plans instead of everyone waiting
-for the collective timeout."""
 
 
 class StopReplica(BaseException):

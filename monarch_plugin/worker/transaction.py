@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from monarch_plugin.protocol import Action, Phase
-from monarch_plugin.worker.collectives import CollectiveInterrupted
+from monarch_plugin.handshake import CollectiveInterrupted
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer

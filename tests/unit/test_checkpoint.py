@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from monarch_plugin import ConfigError, ElasticConfig
-from monarch_plugin.worker.checkpoint import CheckpointWriter, file_name, lane_file, newest, newest_written, save
+from monarch_plugin.checkpoint import CheckpointWriter, file_name, lane_file, newest, newest_written, save
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,7 +15,7 @@ import pytest
 from monarch_plugin import ConfigError, ElasticConfig, ElasticSampler, FaultSpec
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import cli_flag, field_docs, spell_fields
-from monarch_plugin.devices import plan_gpus
+from monarch_plugin.procs.devices import plan_gpus
 from monarch_plugin.errors import BackendUnavailableError
 from monarch_plugin.sampler import share, shard_bounds, weight
 from monarch_plugin.faults import parse_faults
@@ -425,7 +425,7 @@ def test_recovery_report_of_a_writer_death_names_the_replacement_whether_or_not_
 
 
 def test_the_forkserver_loads_torch_and_its_optimizer_imports_and_only_frameworks_the_training_code_imports():
-    from monarch_plugin.forkserver import ALWAYS, preload_for
+    from monarch_plugin.procs.forkserver import ALWAYS, preload_for
 
     assert preload_for(set()) == list(ALWAYS) == ["torch", "torch._dynamo"]
     assert preload_for({"lightning", "torch", "my_model", "os"}) == [*ALWAYS, "lightning"]
@@ -458,7 +458,7 @@ def test_pidwatch_reports_a_death_whose_pidfd_is_numbered_past_select_s_limit():
     import resource
     import subprocess
 
-    from monarch_plugin.pidwatch import PidWatch
+    from monarch_plugin.procs.pidwatch import PidWatch
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:

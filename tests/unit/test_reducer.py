@@ -111,7 +111,8 @@ def test_group_construction_is_abandoned_when_a_newer_generation_comes():
     import threading
     import time
 
-    from monarch_plugin.worker.collectives import GenerationChanged, new_group
+    from monarch_plugin.handshake import GenerationChanged
+    from monarch_plugin.worker.collectives import new_group
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store.add("g/arrived", 1)  # the peer (rank 1) arrived at the barrier, then died before constructing
@@ -130,7 +131,7 @@ def test_a_barrier_blocks_on_its_decision_and_every_outcome_reaches_every_member
     import threading
     import time
 
-    from monarch_plugin.worker.collectives import CollectiveTimedOut, GenerationChanged, barrier, supersede
+    from monarch_plugin.handshake import CollectiveTimedOut, GenerationChanged, barrier, supersede
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from monarch_plugin.agent import main
+from monarch_plugin.cli import plugin as main
 from monarch_plugin.events import read_events
 from monarch_plugin.report import format_summary, goodput, recoveries
 from monarch_plugin.timeline import write_html, write_png
@@ -228,7 +228,7 @@ def test_the_timeline_without_matplotlib_names_the_fix(tmp_path, capsys, monkeyp
 
 
 def test_reading_events_loads_neither_torch_nor_monarch():
-    probe = (f"import sys; from monarch_plugin.agent import main; import monarch_plugin.timeline; "
+    probe = (f"import sys; from monarch_plugin.cli import plugin as main; import monarch_plugin.timeline; "
              f"assert main(['summary', {str(PLAIN)!r}]) == 0; "
              "loaded = [m for m in ('torch', 'monarch', 'matplotlib') if m in sys.modules]; "
              "assert not loaded, loaded")

@@ -7,7 +7,7 @@ once per run: a process that imports the frameworks the replicas will use, then 
 Monarch starts (multiprocessing's forkserver, for Monarch procs).
 
 Monarch starts a proc by running its bootstrap command as a child of the host agent and supervises that
-child. The bootstrap command becomes `python -m monarch_plugin.forkserver SOCKET` (`client_main`), which
+child. The bootstrap command becomes `python -m monarch_plugin.procs.forkserver SOCKET` (`client_main`), which
 imports nothing heavy (~30 ms): it sends its environment (Monarch's per-proc bootstrap settings in it), working
 directory and inherited descriptors (stdout and stderr are Monarch's log pipes) over a Unix socket, and the
 server forks a child that takes them over and runs Monarch's bootstrap (`monarch._src.actor.bootstrap_main`),
@@ -130,7 +130,7 @@ class ForkServer:
     def start(self) -> None:
         """Start the imports; `bootstrap_command` waits for them."""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "monarch_plugin.forkserver", "--serve", self.socket_path,
+            [sys.executable, "-m", "monarch_plugin.procs.forkserver", "--serve", self.socket_path,
              *(["--cpu-only"] if self.cpu_only else []), *self.preload], stdin=subprocess.DEVNULL)
 
     def bootstrap_command(self):
@@ -149,7 +149,7 @@ class ForkServer:
         from monarch.actor import default_bootstrap_cmd
 
         command = default_bootstrap_cmd()
-        command.args = ["-m", "monarch_plugin.forkserver", self.socket_path]
+        command.args = ["-m", "monarch_plugin.procs.forkserver", self.socket_path]
         return command
 
     def _wait_ready(self) -> bool:

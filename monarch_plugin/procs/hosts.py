@@ -10,9 +10,7 @@ attach a fixed set of hosts once; here hosts can also come later, from `hosts_fi
 second: a machine added to it, or an agent restarted on a new port (Monarch does not re-attach an address it
 has marked lost), joins the run.
 
-Every death or loss becomes one item on the controller's queue: `("died", replica, how)`,
-`("host_lost", host, how)` or `("host_up", host, returning)`; `returning`: an agent on the address (IP) of a host
-attached before, so a machine that came back, not new capacity.
+Every death or loss becomes one typed report on the controller's queue (`protocol.Died`, `HostLost`, `HostUp`).
 """
 
 from __future__ import annotations
@@ -28,15 +26,15 @@ from typing import Any
 
 import torch
 
-from monarch_plugin import forkserver
+from monarch_plugin.procs import forkserver
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
-from monarch_plugin.devices import GpuPlan, plan_gpus
+from monarch_plugin.procs.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog
-from monarch_plugin.pidwatch import PidWatch
-from monarch_plugin.protocol import Key, watcher_names
-from monarch_plugin.worker.lease import lease_s
+from monarch_plugin.procs.pidwatch import PidWatch
+from monarch_plugin.protocol import Died, HostLost, HostUp, Key, watcher_names
+from monarch_plugin.procs.lease import lease_s
 
 __all__ = ["Host", "Hosts"]
 
@@ -109,7 +107,7 @@ class Hosts:
         """Attach the hosts (or take this machine) and start watching; before the first replica is spawned."""
         self._store = store
         if not self.config.multi_host:
-            self._local = PidWatch(lambda replica, pid: self._report.put(("died", replica, f"pidfd (pid {pid} exited)")))
+            self._local = PidWatch(lambda replica, pid: self._report.put(Died(replica, f"pidfd (pid {pid} exited)")))
             self._forkserver = forkserver.for_run(self.config, self._imports)
             return
         from monarch.actor import enable_transport
@@ -177,7 +175,7 @@ class Hosts:
 
     def free_port(self, replica: int) -> int:
         """A loopback port free on the replica's host, for its own rendezvous."""
-        from monarch_plugin.worker.watcher import loopback_port
+        from monarch_plugin.procs.watcher import loopback_port
 
         host = self.host_of(replica)
         return loopback_port() if host.watcher is None else host.watcher.free_port.call_one().get(timeout=_CALL_S)
@@ -264,7 +262,7 @@ class Hosts:
         """Attach the agent at `address` and start its watcher; the host joins live, or not at all."""
         from monarch.actor import attach_to_workers
 
-        from monarch_plugin.worker.watcher import HostWatcher
+        from monarch_plugin.procs.watcher import HostWatcher
 
         t0 = time.monotonic()
         with self._lock:
@@ -354,7 +352,7 @@ class Hosts:
             host.unrecorded_since = None
             host.deaths_seen += 1
             death = json.loads(store.get(key))
-            self._report.put(("died", death["replica"], f"watcher on {host.name} (pid {death['pid']} exited)"))
+            self._report.put(Died(death["replica"], f"watcher on {host.name} (pid {death['pid']} exited)"))
 
     def lose(self, host: Host, why: str) -> None:
         """Declare `host` lost (once, whoever finds it first): its procs that still run end at their next touch of
@@ -367,7 +365,7 @@ class Hosts:
             self._store.set(Key.host_lost(host.index), "1")
         except Exception:  # noqa: BLE001 - the run is closing: the procs end by their leases
             pass
-        self._report.put(("host_lost", host.index, f"host {host.name} lost ({why})"))
+        self._report.put(HostLost(host.index, f"host {host.name} lost ({why})"))
 
     def gone(self, replica: int) -> bool:
         """After a failed spawn of `replica`: whether its host is gone, declared lost now if its watcher does not
@@ -394,7 +392,7 @@ class Hosts:
     def _attach_late(self, address: str) -> None:
         host = self._attach(address)
         if host is not None:
-            self._report.put(("host_up", host.index, host.returning))
+            self._report.put(HostUp(host.index, host.returning))
 
 
 def _settle(future) -> None:

@@ -19,9 +19,9 @@ import threading
 
 from monarch.actor import Actor, endpoint
 
-from monarch_plugin.pidwatch import PidWatch
+from monarch_plugin.procs.pidwatch import PidWatch
 from monarch_plugin.protocol import Key
-from monarch_plugin.worker.lease import Lease
+from monarch_plugin.procs.lease import Lease
 
 __all__ = ["HostWatcher", "loopback_port"]
 

@@ -1,0 +1,57 @@
+"""`monarch-plugin host`: this machine's Monarch host agent for multi-host runs.
+
+    monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts]
+
+Start one on each machine (under SLURM: `srun --ntasks-per-node=1 monarch-plugin host --address
+tcp://$(hostname -i):26600 ...`), then point the controller at them: `monarch-run --hosts tcp://10.0.0.2:26600,...`
+or `--hosts-file`. The agent listens on the one address given, never on a wildcard: Monarch 0.7.0's agents take no
+TLS keys, so anyone who reaches that address can run code as this user. Keep it on the job's private network. When
+the controller goes away the agent kills the work it started and waits for the next controller.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from monarch_plugin.config import parse_host
+from monarch_plugin.errors import ConfigError
+
+__all__ = ["serve"]
+
+
+def _check_local(ip: str) -> None:
+    """The agent must listen on an address of this machine (a typo would otherwise hang every attach)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError as e:
+            raise ConfigError(f"{ip} is not an address of this machine ({e.strerror}): give --address this "
+                              "machine's own IP on the network the controller reaches it through") from e
+
+
+def serve(address: str, hosts_file: str | None = None) -> int:
+    """Run the agent on `address` until it is killed; 2 after saying why on stderr if it cannot listen there."""
+    try:
+        ip, _ = parse_host(address)
+        _check_local(ip)
+    except ConfigError as e:
+        print(f"monarch-plugin host: error: {str(e).replace('`hosts`', '--address')}", file=sys.stderr)
+        return 2
+    from monarch.actor import start_worker_loop_forever
+
+    serving = start_worker_loop_forever(ca="trust_all_connections", address=address)
+    print(f"monarch-plugin host: agent listening on {address} (no TLS: keep this address on a private network)",
+          flush=True)
+    if hosts_file:
+        with open(hosts_file, "a") as f:
+            f.write(address + "\n")
+    serving.get()
+    return 0
+
+
+if __name__ == "__main__":
+    from monarch_plugin.cli import plugin
+
+    sys.exit(plugin(sys.argv[1:]))  # `python -m monarch_plugin.procs.agent host ...`, as `monarch-plugin host ...`
