@@ -463,9 +463,9 @@ _SKIPPED = object()
 class _StreamShares(IterableDataset):
     """The stream loader's dataset: this replica's share (a list of samples) of each global micro-batch of a pass.
 
-    Like `_ElasticBatchSampler`, it starts each pass from its first micro-batch, so HF's resume path (which
-    discards the micro-batches already trained) positions it; those are `_SKIPPED` placeholders, not read. It
-    ends when the pass has no whole step left, and every share is recorded with the generation it was cut for.
+    Like the map-style loader's `ShareSampler`, it starts each pass from its first micro-batch, so HF's resume path
+    (which discards the micro-batches already trained) positions it; those are `_SKIPPED` placeholders, not read.
+    It ends when the pass has no whole step left, and every share is recorded as it was cut.
     """
 
     def __init__(self, owner: MonarchElasticCallback):
@@ -520,6 +520,10 @@ class _HealState(TrainingState):
         return [self.owner._trainer.optimizer]
 
     @property
+    def schedulers(self) -> list:
+        return [s for s in (self.owner._trainer.lr_scheduler,) if s is not None]
+
+    @property
     def step(self) -> int:
         return self.owner._step
 
@@ -533,7 +537,6 @@ class _HealState(TrainingState):
     def extra_state(self) -> dict:
         trainer = self.owner._trainer
         return {
-            "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
             "data": self.owner._data.state_dict(),  # a stream reads ahead here: the RNG is taken after it
             "trainer_state": {f.name: getattr(trainer.state, f.name) for f in dataclasses.fields(TrainerState)
                               if f.name not in _OWN_STATE_FIELDS},
@@ -546,8 +549,6 @@ class _HealState(TrainingState):
         self.owner._data.load_state_dict(state["data"])
         if not whole:
             return
-        if state["lr_scheduler"] is not None:
-            trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for name, value in state["trainer_state"].items():
             setattr(trainer.state, name, value)
         mine = [c for c in trainer.callback_handler.callbacks if isinstance(c, ExportableState)]

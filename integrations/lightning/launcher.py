@@ -258,17 +258,10 @@ class _MonarchLauncher(Launcher):
         for logger in trainer.loggers:
             logger.version  # fixed here, so every replica (and a later rank 0) logs into the same version
         config = self.config(root_dir=trainer.default_root_dir, stage=trainer.state.fn.value)
-        try:
+        try:  # its messages name the settings as the strategies' arguments do
             target = Target.function(_StageInReplica(trainer, function.__name__, args, kwargs))
-        except ConfigError as e:
-            raise MisconfigurationException(str(e)) from e
-        try:
-            controller = ElasticController(config, target)
-        except ConfigError as e:  # e.g. more replicas x procs than visible GPUs
-            raise MisconfigurationException(f"MonarchStrategy: {e}") from e
-        try:
-            result = controller.run()  # its messages name the settings as the strategies' arguments do
-        except ConfigError as e:  # found once the hosts answered: too little room, none usable
+            result = ElasticController(config, target).run()
+        except ConfigError as e:  # e.g. more replicas x procs than visible GPUs, or too little room on the hosts
             raise MisconfigurationException(f"MonarchStrategy: {e}") from e
         for line in run_summary(result):
             rank_zero_info(f"monarch: {line}")

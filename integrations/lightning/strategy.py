@@ -4,8 +4,8 @@ Lightning's split: the strategy is the replica side, and the controller side is 
 which the strategy creates when the Trainer is built in the user's process, and which checks the Trainer's
 arguments against the settings (`MonarchStrategy(min_replicas=...)`, every `ElasticConfig` field by its name) and
 runs `fit` in every replica. Inside a replica the strategy is a data-parallel strategy whose torch.distributed
-default group holds only that replica's own procs, so Lightning's own collectives (`self.log(sync_dist=True)`, barriers, the SIGTERM broadcast) never cross replicas. Everything
-that crosses replicas goes through the runtime's step transaction (`StepTransaction`):
+default group holds only that replica's own procs, so Lightning's own collectives (`self.log(sync_dist=True)`,
+barriers, the SIGTERM broadcast) never cross replicas. Everything that crosses replicas goes through the runtime's step transaction (`StepTransaction`):
 
 * A global step is a window of `accumulate_grad_batches` micro-batches, each one global batch cut over the live
   replicas. The window's earlier micro-batches run under the reducer's `no_sync()` as Lightning drives them;
@@ -445,16 +445,16 @@ class _HealState(TrainingState):
         self.strategy = strategy
 
     @property
-    def device_mesh(self):
-        return getattr(self.strategy, "device_mesh", None)
-
-    @property
     def modules(self) -> list:
         return [self.strategy.lightning_module]
 
     @property
     def optimizers(self) -> list:
         return self.strategy.optimizers
+
+    @property
+    def schedulers(self) -> list:
+        return [c.scheduler for c in self.strategy.lightning_module.trainer.lr_scheduler_configs]
 
     @property
     def step(self) -> int:
@@ -471,7 +471,6 @@ class _HealState(TrainingState):
         s = self.strategy
         trainer = s.lightning_module.trainer
         return {
-            "lr_schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
             "sampler": s._sampler.state_dict() if s._sampler is not None else None,
             "fit_loop": s._fit_loop_state() if s._fit_loop_started else None,
             "logger_step": _hooks.logger_step(trainer),
@@ -482,8 +481,6 @@ class _HealState(TrainingState):
         s = self.strategy
         trainer = s.lightning_module.trainer
         if whole:
-            for config, saved in zip(trainer.lr_scheduler_configs, state["lr_schedulers"]):
-                config.scheduler.load_state_dict(saved)
             if state["fit_loop"] is not None:
                 trainer.fit_loop.load_state_dict(state["fit_loop"])
                 s._pending_logger_step = state["logger_step"]

@@ -93,10 +93,6 @@ def elastic_config(config: "MonarchTrainer.Config") -> ElasticConfig:
 def validate(config: "MonarchTrainer.Config") -> None:
     """Raise ValueError naming the field and the fix, for a job that enables `--monarch.enable`."""
     monarch, parallelism, training = config.monarch, config.parallelism, config.training
-    for name in ("replicas", "min_replicas", "procs_per_replica"):
-        value = getattr(monarch, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"--monarch.{name} must be a positive integer, got {value!r}")
     try:
         elastic_config(config)
     except ConfigError as e:

@@ -9,7 +9,6 @@ replica, supervises them through deaths and regrowth, and returns when they fini
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -44,13 +43,9 @@ class ElasticLauncher:
         self.result: RunResult | None = None
 
     def train(self) -> None:
-        settings = elastic_config(self.config)
-        os.makedirs(os.path.dirname(os.path.abspath(settings.events_path)), exist_ok=True)
-        monarch = self.config.monarch
-        logger.info(
-            f"monarch: {monarch.replicas} replica(s) x {monarch.procs_per_replica} proc(s) (min {monarch.min_replicas}, "
-            f"max {settings.max_replicas}); events in {settings.events_path}"
-        )
+        settings = elastic_config(self.config)  # the events file's folder is made with the controller's log
+        logger.info(f"monarch: {settings.replicas} replica(s) x {settings.procs_per_replica} proc(s) (min "
+                    f"{settings.min_replicas}, max {settings.max_replicas}); events in {settings.events_path}")
         try:
             self.result = ElasticController(settings, this_command()).run()
         except ElasticRunAborted as e:

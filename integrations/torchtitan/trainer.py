@@ -47,10 +47,6 @@ from monarch_plugin.integrations.torchtitan.data import ElasticDataLoader
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch without distributed tensors has no sharded parameters
-    DTensor = ()
 
 __all__ = ["CommittedStep", "MonarchTrainer"]
 
@@ -254,17 +250,16 @@ class _HealState(TrainingState):
         self.trainer = trainer
 
     @property
-    def device_mesh(self):
-        """The replica's FSDP mesh, on which received shards are rebuilt."""
-        return next((p.device_mesh for p in self.trainer._params() if isinstance(p, DTensor)), None)
-
-    @property
     def modules(self) -> list:
         return self.trainer.model_parts
 
     @property
     def optimizers(self) -> list:
         return self.trainer.optimizers.optimizers
+
+    @property
+    def schedulers(self) -> list:
+        return [self.trainer.lr_schedulers]
 
     @property
     def step(self) -> int:
@@ -278,12 +273,10 @@ class _HealState(TrainingState):
 
     def extra_state(self) -> dict:
         t = self.trainer
-        return {"ntokens_seen": t.ntokens_seen, "lr_schedulers": t.lr_schedulers.state_dict(),
-                "data": t.dataloader.state_dict()}
+        return {"ntokens_seen": t.ntokens_seen, "data": t.dataloader.state_dict()}
 
     def load_extra(self, state: dict, whole: bool) -> None:
         t = self.trainer
-        t.lr_schedulers.load_state_dict(state["lr_schedulers"])
         t.dataloader.load_state_dict(state["data"])
         t.ntokens_seen = state["ntokens_seen"]
 

@@ -36,6 +36,7 @@ import torch
 from monarch_plugin.protocol import Action, Phase
 from monarch_plugin.handshake import CollectiveInterrupted
 from monarch_plugin.worker.context import WorkerContext
+from monarch_plugin.worker.dtensors import is_dtensor
 from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer
 from monarch_plugin.worker.session import ReplicaSession, StopReplica
@@ -217,9 +218,6 @@ class TrainingState:
     exactly as the donor's already did; it takes the weights, the optimizer's state and the data cursor.
     """
 
-    device_mesh = None
-    """Where received shards live (FSDP's mesh); None for an unsharded model."""
-
     def __init__(self, device: Callable[[], torch.device]):
         self._device = device
 
@@ -227,6 +225,14 @@ class TrainingState:
     optimizers: list[torch.optim.Optimizer]
     step: int
     """The committed steps (front ends define these three as properties over their framework's objects)."""
+    schedulers: list = []
+    """The learning-rate schedulers, if any (anything with `state_dict` and `load_state_dict`)."""
+
+    @property
+    def device_mesh(self):
+        """Where received shards are rebuilt: the mesh of the modules' first sharded (FSDP's DTensor) parameter; None
+        for an unsharded model."""
+        return next((p.device_mesh for m in self.modules for p in m.parameters() if is_dtensor(p)), None)
 
     def catching_up(self) -> bool:
         return False
@@ -239,7 +245,8 @@ class TrainingState:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "model": [m.state_dict() for m in self.modules],
-                "optimizers": [o.state_dict() for o in self.optimizers], **self.extra_state(),
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [s.state_dict() for s in self.schedulers], **self.extra_state(),
                 "rng": rng_state(self._device())}  # last: a stream's state read ahead, and the RNG as of after it
 
     def load_state_dict(self, state: dict) -> None:
@@ -254,6 +261,8 @@ class TrainingState:
                     group.update(hyper)
         self.load_extra(state, whole)
         if whole:
+            for scheduler, saved in zip(self.schedulers, state["schedulers"]):
+                scheduler.load_state_dict(saved)
             set_rng_state(state["rng"], self._device())
         self.step = state["step"]
 
