@@ -27,14 +27,10 @@ Writes <out>/scale_sim.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
 import shutil
-import signal
-import socket
-import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -42,201 +38,11 @@ from pathlib import Path
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.controller import ElasticController
 from monarch_plugin.events import EventLog, read_events
-from monarch_plugin.protocol import Action, Key, Outcome, Plan
 from monarch_plugin.target import Target
 
 HERE = Path(__file__).resolve().parent
-
-
-# -- the replicas' side: worker processes, a thread per replica -------------------------------------------------
-
-def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: threading.Event, step_s: float,
-             report) -> None:
-    import torch.distributed as dist
-
-    from monarch_plugin.handshake import GenerationChanged, barrier
-
-    timeout_s = float(env.get("MONARCH_PLUGIN_JOIN_TIMEOUT_S", "120"))
-    store = dist.TCPStore(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]), is_master=False,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    events = EventLog(env["MONARCH_PLUGIN_EVENTS"], source=f"replica{rid}.0")
-    t0 = time.time()
-    store.add(Key.ready(rid), 1)
-    gen, seen = -1, -1
-    while True:
-        # The worker's wait for its next generation (`ReplicaSession._next_plan`): the push, or the store each second.
-        while flags.latest <= seen and not flags.stop:
-            if not flags.wait_for_plan(seen, 1.0):
-                flags.plan(int(store.get(Key.LATEST)))
-        if flags.stop:
-            return report(rid, "died" if killed.is_set() else Outcome("stopped", time.time() - t0))
-        plan = Plan.loads(store.get(Key.plan(flags.latest)))
-        seen = plan.gen
-        if rid not in plan.members:
-            if gen >= 0:
-                return report(rid, Outcome("stopped", time.time() - t0))
-            continue
-        try:
-            barrier(store, Key.group(plan.gen, 0), len(plan.members), timeout_s,
-                    lambda: flags.stop or flags.latest > plan.gen)
-        except GenerationChanged:
-            continue
-        gen = plan.gen
-        store.add(Key.formed(gen), 1)
-        events.emit("join", replica=rid, gen=gen, world=len(plan.members))
-        if plan.action == Action.CHECKPOINT:
-            return report(rid, Outcome("stopped", time.time() - t0))
-        while not (flags.stop or flags.abort_gen > gen or flags.regroup_gen > gen):  # training
-            if finishing.is_set():
-                try:
-                    barrier(store, Key.finished(gen, 0), len(plan.members), timeout_s,
-                            lambda: flags.abort_gen > gen or flags.stop)
-                except GenerationChanged:
-                    break
-                return report(rid, Outcome("ok", time.time() - t0, value=rid, gen=gen))
-            flags.wait_for_plan(gen, step_s)  # a step; a push ends it, as an abort ends a real step's reduction
-
-
-def _serve(commands, outcomes, step_s: float) -> None:
-    """One worker process: start, tell, take out and finish the replicas the controller's side sends it."""
-    from monarch_plugin.worker.context import Flags
-
-    replicas: dict[int, tuple[Flags, threading.Event]] = {}
-    finishing = threading.Event()
-
-    def report(rid, outcome):
-        outcomes.put((rid, outcome))
-
-    while True:
-        kind, rid, arg = commands.get()
-        if kind == "start":
-            flags, killed = Flags(), threading.Event()
-            replicas[rid] = (flags, killed)
-            threading.Thread(target=_replica, args=(rid, arg, flags, finishing, killed, step_s, report),
-                             daemon=True).start()
-        elif kind in ("plan", "abort", "regroup"):
-            getattr(replicas[rid][0], kind)(arg)
-        elif kind == "shutdown":
-            replicas[rid][0].request_stop()
-        elif kind == "kill":
-            replicas[rid][1].set()
-            replicas[rid][0].request_stop()
-        elif kind == "finish":
-            finishing.set()
-            for flags, _ in replicas.values():
-                flags.plan(-1)  # wakes every waiting step, so each sees the finish at once
-        elif kind == "exit":
-            return
-
-
-# -- the controller's side: what `launch` returns, shaped as Monarch's meshes are to the controller -----------
-
-class _Got:
-    def __init__(self, value):
-        self.value = value
-
-    def get(self, timeout=None):
-        return self.value
-
-
-class _Endpoint:
-    """An endpoint of a simulated replica's actor mesh, as the controller calls it (`broadcast`, `call().get()`)."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def broadcast(self, *args) -> None:
-        self.fn(*args)
-
-    def call(self, *args):
-        return self.fn(*args)
-
-
-class _Handle:
-    def __init__(self, **endpoints):
-        for name, fn in endpoints.items():
-            setattr(self, name, _Endpoint(fn))
-
-
-class _Run:
-    """The `run` call's future: the replica's outcome, or an error as Monarch's supervision raises for a death."""
-
-    def __init__(self):
-        self.done = threading.Event()
-        self.outcome = None
-
-    def get(self, timeout=None):
-        self.done.wait()
-        if self.outcome == "died":
-            raise RuntimeError("simulated replica taken out")
-        return {0: self.outcome}
-
-
-class Fleet:
-    """The worker processes, and the `launch` the controller calls."""
-
-    def __init__(self, procs: int, step_s: float):
-        ctx = mp.get_context("spawn")
-        self.outcomes = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(procs)]
-        self.procs = [ctx.Process(target=_serve, args=(q, self.outcomes, step_s), daemon=True) for q in self.commands]
-        for p in self.procs:
-            p.start()
-        self.runs: dict[int, _Run] = {}
-        self.placeholders: dict[int, subprocess.Popen] = {}
-        threading.Thread(target=self._collect, daemon=True).start()
-
-    def launch(self, rid: int, procs: int, env: dict) -> tuple:
-        """(proc mesh, control, replica actor) of one simulated replica. Its proc, the pid the controller watches
-        by pidfd and kills, is a real one that does nothing (`sleep`); its protocol runs as a thread of a worker
-        process, which the proc's end (the mesh's `stop`) takes out with it."""
-        proc = subprocess.Popen(["sleep", "infinity"])
-        self.placeholders[rid] = proc
-
-        def stop():
-            self.send(rid, "kill")
-            proc.kill()
-            proc.wait()
-            return _Got(None)
-
-        tell = {kind: (lambda arg=None, kind=kind: self.send(rid, kind, arg)) for kind in
-                ("plan", "abort", "regroup", "shutdown")}
-        control = _Handle(info=lambda: _Got({0: {"pid": proc.pid, "host": socket.gethostname()}}), **tell)
-        return _Handle(stop=stop), control, _Handle(run=lambda target: self.start(rid, env))
-
-    def kill(self, rid: int) -> None:
-        """SIGKILL the replica's proc from outside, as a failure would."""
-        os.kill(self.placeholders[rid].pid, signal.SIGKILL)
-
-    def start(self, rid: int, env: dict) -> _Run:
-        self.runs[rid] = _Run()
-        self.send(rid, "start", env)
-        return self.runs[rid]
-
-    def send(self, rid: int, kind: str, arg=None) -> None:
-        self.commands[rid % len(self.commands)].put((kind, rid, arg))
-
-    def finish(self) -> None:
-        for q in self.commands:
-            q.put(("finish", -1, None))
-
-    def close(self) -> None:
-        for proc in self.placeholders.values():
-            proc.kill()
-            proc.wait()
-        for q in self.commands:
-            q.put(("exit", -1, None))
-        for p in self.procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-
-    def _collect(self) -> None:
-        while True:
-            rid, outcome = self.outcomes.get()
-            run = self.runs[rid]
-            run.outcome = outcome
-            run.done.set()
+sys.path.insert(0, str(HERE.parent / "tests"))
+from simulated import Fleet  # noqa: E402 - the simulated replicas, shared with the controller's unit tests
 
 
 # -- one count ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,120 @@
+"""`controller`: what `ElasticController` decides, through its `launch` seam, without a Monarch mesh.
+
+The replicas are `simulated`'s: the real protocol over the controller's real store, each with a real proc that
+the controller watches by pidfd and that these tests SIGKILL from outside. What a real replica does besides the
+protocol (torch groups, heals, training) is tested end to end under tests/e2e.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from simulated import Fleet
+
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.controller import ElasticController
+from monarch_plugin.errors import ElasticRunAborted
+from monarch_plugin.events import read_events
+from monarch_plugin.target import Target
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Run:
+    """One controller over simulated replicas; `drive(run)` acts on it from a thread while the controller runs,
+    and the replicas finish together when it returns."""
+
+    def __init__(self, tmp_path, **settings):
+        self.events_path = str(tmp_path / "events.jsonl")
+        self.config = ElasticConfig(forkserver=False, join_timeout_s=60, restart_backoff_s=0.2,
+                                    events_path=self.events_path, checkpoint_dir=str(tmp_path / "ckpt"), **settings)
+        self.config.env.update(MONARCH_PLUGIN_EVENTS=self.events_path, MONARCH_PLUGIN_JOIN_TIMEOUT_S="60")
+        self.fleet = Fleet(1, 0.02)
+        self.error: BaseException | None = None
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in read_events(self.events_path) if e["event"] == kind]
+
+    def wait(self, what: str, predicate, timeout: float = 60):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = predicate()
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"no {what} in {timeout} s: {read_events(self.events_path)}")
+
+    def quorum(self, members: list[int]) -> dict:
+        """The first generation of exactly these members, once every one of them has joined it."""
+        gen = self.wait(f"generation of {members}",
+                        lambda: next((q for q in self.events("quorum") if q["members"] == members), None))
+        self.wait(f"generation {gen['gen']} formed",
+                  lambda: len([j for j in self.events("join") if j["gen"] == gen["gen"]]) == len(members))
+        return gen
+
+    def run(self, drive):
+        def driver():
+            try:
+                drive(self)
+            except BaseException as e:  # noqa: BLE001 - reported by the test, after the controller stopped
+                self.error = e
+            finally:
+                self.fleet.finish()
+
+        thread = threading.Thread(target=driver, daemon=True)
+        thread.start()
+        try:
+            return ElasticController(self.config, Target.function(print), launch=self.fleet.launch).run()
+        finally:
+            self.fleet.close()
+            thread.join(10)
+            if self.error is not None:
+                raise self.error
+
+
+def test_a_death_shrinks_the_run_and_its_replacement_regrows_it(tmp_path):
+    run = _Run(tmp_path, replicas=2)
+
+    def drive(run):
+        run.quorum([0, 1])
+        run.fleet.kill(1)
+        run.quorum([0])
+        run.quorum([0, 2])
+
+    result = run.run(drive)
+    assert [d["replica"] for d in run.events("death")] == [1]
+    assert "pidfd" in run.events("death")[0]["detected_by"]
+    assert sorted(s["replica"] for s in run.events("spawn")) == [0, 1, 2]
+    assert sorted(result.values) == [0, 2]  # the two that finished
+
+
+def test_below_min_replicas_the_run_stops_and_respawns_nobody(tmp_path):
+    run = _Run(tmp_path, replicas=2, min_replicas=2)
+
+    def drive(run):
+        run.quorum([0, 1])
+        run.fleet.kill(1)
+        run.wait("the give-up", lambda: run.events("give_up"))
+
+    with pytest.raises(ElasticRunAborted, match=r"1 live replica\(s\) left, below `min_replicas` 2"):
+        run.run(drive)
+    assert sorted(s["replica"] for s in run.events("spawn")) == [0, 1]
+
+
+def test_a_run_out_of_restarts_trains_on_fewer_without_respawning(tmp_path):
+    run = _Run(tmp_path, replicas=2, max_restarts=1)
+
+    def drive(run):
+        run.quorum([0, 1])
+        run.fleet.kill(1)
+        run.quorum([0, 2])
+        run.fleet.kill(2)
+        run.wait("the refusal", lambda: run.events("no_respawn"))
+        run.wait("a generation of the survivor", lambda: [q for q in run.events("quorum")
+                                                           if q["members"] == [0] and q["gen"] > 2])
+
+    result = run.run(drive)
+    assert run.events("no_respawn")[0]["reason"] == "`max_restarts` 1 used"
+    assert sorted(s["replica"] for s in run.events("spawn")) == [0, 1, 2] and sorted(result.values) == [0]
