@@ -42,7 +42,7 @@ from monarch_plugin.target import Target
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
-from simulated import Fleet  # noqa: E402 - the simulated replicas, shared with the controller's unit tests
+from simulated import Fleet, wait_for  # noqa: E402 - the simulated replicas, shared with the controller's unit tests
 
 
 # -- one count ----------------------------------------------------------------------------------------------------
@@ -65,13 +65,7 @@ def run(work: Path, replicas: int, procs: int, step_ms: float) -> dict:
                 return [q for q in read_events(events_path) if q["event"] == "quorum" and predicate(q)]
 
             def wait(what, predicate, timeout=300):
-                deadline = time.monotonic() + timeout
-                while time.monotonic() < deadline:
-                    found = predicate()
-                    if found:
-                        return found
-                    time.sleep(0.2)
-                raise RuntimeError(f"{replicas} replicas: no {what} in {timeout} s; see {events_path}")
+                return wait_for(f"{what} of {replicas} replicas", predicate, timeout, events_path)
 
             def joined(gen):
                 return [e for e in read_events(events_path) if e["event"] == "join" and e["gen"] == gen]

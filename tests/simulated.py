@@ -25,7 +25,7 @@ import time
 from monarch_plugin.events import EventLog
 from monarch_plugin.protocol import Action, Key, Outcome, Plan
 
-__all__ = ["Fleet"]
+__all__ = ["Fleet", "wait_for"]
 
 
 # -- the replicas' side: worker processes, a thread per replica -------------------------------------------------
@@ -217,3 +217,15 @@ class Fleet:
             run = self.runs[rid]
             run.outcome = outcome
             run.done.set()
+
+
+def wait_for(what: str, predicate, timeout: float, where: str):
+    """What `predicate()` returns once it is true, polled every 0.1 s; RuntimeError naming `what` and `where` (the
+    events file to look in) after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise RuntimeError(f"no {what} in {timeout} s; see {where}")

@@ -25,6 +25,7 @@ from torchtitan.config import ConfigManager, ParallelismConfig  # noqa: E402
 
 from conftest import WORKLOADS, ElasticRun, alive, run_factory  # noqa: E402
 from monarch_plugin.integrations.torchtitan import ElasticLauncher, MonarchConfig, MonarchTrainer  # noqa: E402
+from monarch_plugin.integrations.torchtitan.config import elastic_config  # noqa: E402
 from monarch_plugin.integrations.torchtitan.config_registry import (  # noqa: E402
     llama3_debugmodel_cpu,
     llama3_debugmodel_elastic,
@@ -262,6 +263,9 @@ def test_monarch_section_parses_from_the_command_line():
                                            procs_per_replica=2, spares=1, fault="sigkill:replica=1:step=5",
                                            hosts=["tcp://127.0.0.1:26600", "tcp://127.0.0.1:26601"],
                                            host_timeout_s=4.0, heal_donors=1, crash_loop_limit=5)
+    settings = elastic_config(config)  # every field reaches the runtime, those the copies had lost included
+    assert (settings.heal_donors, settings.crash_loop_limit, settings.max_replicas) == (1, 5, 4)
+    assert settings.checkpoint_dir == os.path.join(config.dump_folder, config.checkpoint.folder)  # torchtitan's own
     assert not _parse("--config", "llama3_debugmodel_cpu").monarch.enable
     assert _parse("--config", "llama3_debugmodel_elastic").monarch.procs_per_replica == 2
     # In the launching process an enabled job builds the controller, not a Trainer.

@@ -8,10 +8,9 @@ protocol (torch groups, heals, training) is tested end to end under tests/e2e.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
-from simulated import Fleet
+from simulated import Fleet, wait_for
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.controller import ElasticController
@@ -38,13 +37,7 @@ class _Run:
         return [e for e in read_events(self.events_path) if e["event"] == kind]
 
     def wait(self, what: str, predicate, timeout: float = 60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = predicate()
-            if found:
-                return found
-            time.sleep(0.1)
-        raise AssertionError(f"no {what} in {timeout} s: {read_events(self.events_path)}")
+        return wait_for(what, predicate, timeout, self.events_path)
 
     def quorum(self, members: list[int]) -> dict:
         """The first generation of exactly these members, once every one of them has joined it."""

@@ -40,6 +40,18 @@ def test_an_elastic_config_gives_the_settings_its_caller_chose():
     assert strategy.settings == {"replicas": 4, "min_replicas": 3, "heal_donors": 1, "spares": 1}
 
 
+def test_every_lightning_argument_reaches_the_runs_config():
+    from monarch_plugin.integrations.lightning.launcher import _MonarchLauncher
+
+    strategy = MonarchStrategy(heal_donors=1, crash_loop_limit=5, restart_backoff_s=0.5, backend="gloo")
+    strategy.parallel_devices = ["cpu"] * 3
+    launcher = object.__new__(_MonarchLauncher)
+    launcher._strategy = strategy
+    config = launcher.config(root_dir="/tmp/run")
+    assert (config.heal_donors, config.crash_loop_limit, config.restart_backoff_s) == (1, 5, 0.5)
+    assert (config.replicas, config.max_replicas, config.backend) == (3, 3, "gloo")  # from Trainer(devices=3)
+
+
 def test_lightning_private_api_is_checked_and_a_missing_name_says_what_to_install(monkeypatch):
     _lightning_hooks.check_version()  # the installed Lightning has everything used
     monkeypatch.delattr(_lightning_hooks._call, "_call_callbacks_state_dict")
