@@ -31,7 +31,7 @@ __all__ = ["Fleet", "wait_for"]
 # -- the replicas' side: worker processes, a thread per replica -------------------------------------------------
 
 def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: threading.Event, step_s: float,
-             report) -> None:
+             report, ready: bool) -> None:
     import torch.distributed as dist
 
     from monarch_plugin.handshake import GenerationChanged, barrier
@@ -41,7 +41,8 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
                           wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
     events = EventLog(env["MONARCH_PLUGIN_EVENTS"], source=f"replica{rid}.0")
     t0 = time.time()
-    store.add(Key.ready(rid), 1)
+    if ready:  # else it is stuck before its training loop: it waits for plans that never name it
+        store.add(Key.ready(rid), 1)
     gen, seen = -1, -1
     while True:
         # The worker's wait for its next generation (`ReplicaSession._next_plan`): the push, or the store each second.
@@ -92,7 +93,8 @@ def _serve(commands, outcomes, step_s: float) -> None:
         if kind == "start":
             flags, killed = Flags(), threading.Event()
             replicas[rid] = (flags, killed)
-            threading.Thread(target=_replica, args=(rid, arg, flags, finishing, killed, step_s, report),
+            env, ready = arg
+            threading.Thread(target=_replica, args=(rid, env, flags, finishing, killed, step_s, report, ready),
                              daemon=True).start()
         elif kind in ("plan", "abort", "regroup"):
             getattr(replicas[rid][0], kind)(arg)
@@ -155,7 +157,10 @@ class _Run:
 class Fleet:
     """The worker processes, and the `launch` the controller calls."""
 
-    def __init__(self, procs: int, step_s: float):
+    def __init__(self, procs: int, step_s: float, never_ready: tuple[int, ...] = ()):
+        """`procs` worker processes; a step takes `step_s`; the replicas `never_ready` never count themselves
+        ready (stuck before their training loop)."""
+        self.never_ready = never_ready
         ctx = mp.get_context("spawn")
         self.outcomes = ctx.Queue()
         self.commands = [ctx.Queue() for _ in range(procs)]
@@ -190,7 +195,7 @@ class Fleet:
 
     def start(self, rid: int, env: dict) -> _Run:
         self.runs[rid] = _Run()
-        self.send(rid, "start", env)
+        self.send(rid, "start", (env, rid not in self.never_ready))
         return self.runs[rid]
 
     def send(self, rid: int, kind: str, arg=None) -> None:

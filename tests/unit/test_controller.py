@@ -25,12 +25,13 @@ class _Run:
     """One controller over simulated replicas; `drive(run)` acts on it from a thread while the controller runs,
     and the replicas finish together when it returns."""
 
-    def __init__(self, tmp_path, **settings):
+    def __init__(self, tmp_path, never_ready: tuple[int, ...] = (), **settings):
         self.events_path = str(tmp_path / "events.jsonl")
-        self.config = ElasticConfig(forkserver=False, join_timeout_s=60, restart_backoff_s=0.2,
-                                    events_path=self.events_path, checkpoint_dir=str(tmp_path / "ckpt"), **settings)
+        settings = {"join_timeout_s": 60, **settings}
+        self.config = ElasticConfig(forkserver=False, restart_backoff_s=0.2, events_path=self.events_path,
+                                    checkpoint_dir=str(tmp_path / "ckpt"), **settings)
         self.config.env.update(MONARCH_PLUGIN_EVENTS=self.events_path, MONARCH_PLUGIN_JOIN_TIMEOUT_S="60")
-        self.fleet = Fleet(1, 0.02)
+        self.fleet = Fleet(1, 0.02, never_ready)
         self.error: BaseException | None = None
 
     def events(self, kind: str) -> list[dict]:
@@ -111,3 +112,19 @@ def test_a_run_out_of_restarts_trains_on_fewer_without_respawning(tmp_path):
     result = run.run(drive)
     assert run.events("no_respawn")[0]["reason"] == "`max_restarts` 1 used"
     assert sorted(s["replica"] for s in run.events("spawn")) == [0, 1, 2] and sorted(result.values) == [0]
+
+
+def test_a_replacement_never_ready_is_treated_as_hung_and_replaced_after_join_timeout(tmp_path):
+    run = _Run(tmp_path, never_ready=(2,), replicas=2, join_timeout_s=8)
+
+    def drive(run):
+        run.quorum([0, 1])
+        run.fleet.kill(1)
+        run.wait("the stuck replacement's hang", lambda: run.events("hang"), timeout=30)
+        run.quorum([0, 3])
+
+    run.run(drive)
+    hang = run.events("hang")[0]
+    assert (hang["replica"], hang["detected_by"]) == (2, "hang (never ready)") and "`join_timeout_s`" in hang["why"]
+    deaths = run.events("death")
+    assert [d["replica"] for d in deaths] == [1, 2] and deaths[1]["detected_by"] == "hang (never ready)"
