@@ -296,8 +296,6 @@ class MonarchElasticCallback(TrainerCallback):
         """The controller gave up: the main replica writes HF's checkpoint of the last committed step."""
         self._joined = False  # no progress bar for it
         self._take_main_role()
-        if not self.is_main_replica:
-            return None
         path = _trainer_hooks.save_checkpoint(self._trainer)
         self._save_stream_position(path)
         return path

@@ -372,9 +372,7 @@ class MonarchStrategy(ParallelStrategy):
                 closure()
 
     def _write_give_up_checkpoint(self, committed: int) -> Optional[str]:
-        self._update_rank_zero()
-        if self._elastic_rank() != 0:
-            return None  # every proc of the writing replica takes part (FSDP gathers); its first one writes
+        self._update_rank_zero()  # the replica's first proc writes (every one takes part: FSDP gathers)
         config = self._ctx.config
         os.makedirs(config.checkpoint_dir, exist_ok=True)
         path = os.path.abspath(os.path.join(config.checkpoint_dir, f"step{committed:08d}.ckpt"))

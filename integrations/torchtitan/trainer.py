@@ -208,7 +208,7 @@ class MonarchTrainer(Trainer):
     def _write_give_up_checkpoint(self, committed: int) -> str | None:
         """The run stops (too few replicas): the generation's first replica writes torchtitan's checkpoint of
         the last committed step, which `--checkpoint.enable` loads on the next start."""
-        if self._tx.rank != 0 or not self.checkpointer.enable:
+        if not self.checkpointer.enable:
             return None
         self.checkpointer.inner.save(committed, last_step=True)
         if torch.distributed.get_rank() != 0:

@@ -267,8 +267,6 @@ class ElasticLoop:
 
     def _write_checkpoint(self, committed: int) -> str | None:
         """The controller gave up: the generation's first replica saves every proc's state (`resume` loads it)."""
-        if self.tx.rank != 0:
-            return None
         if self._checkpoints is not None:
             self._checkpoints.wait()
         directory = self.config.checkpoint_dir

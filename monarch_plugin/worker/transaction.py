@@ -64,8 +64,9 @@ class StepTransaction:
         restore: Callable[[str], int] | None = None,
         on_join: Callable[[], None] = lambda: None,
     ):
-        """`give_up(committed)` writes the front end's checkpoint when the controller gives up, and returns its
-        path on the one proc that wrote it (None elsewhere); the replica then stops. `newest_checkpoint()` names
+        """`give_up(committed)` writes the front end's checkpoint when the controller gives up, called on every
+        proc of the generation's first replica (rank 0; an FSDP replica's procs all take part), and returns its
+        path on the one proc that wrote it (None elsewhere); every replica then stops. `newest_checkpoint()` names
         the newest one the front end's own checkpointing holds, which a run that stops with no replica left holding
         its state tells its user to resume from (asked by the controller through the control actor, from its
         thread). `restore(path)` loads one mid-run (a RESTORE generation) and returns its committed steps. `on_join()`
@@ -110,7 +111,7 @@ class StepTransaction:
             return False
         session.join(committed)
         if session.action == Action.CHECKPOINT:
-            path = self._give_up(committed)
+            path = self._give_up(committed) if self.rank == 0 else None
             if path is not None:
                 self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=committed, path=path)
             raise StopReplica("the controller gave up; checkpoint written", checkpoint=path)
