@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from monarch_plugin.events import read_events
+from harness import kill, spawned, wait_for
 
 HERE = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent
@@ -77,16 +77,11 @@ def one_run(out: Path, watch_s: float, kill_after_s: float) -> dict:
            str(HERE / "workload.py"), "--mode", "elastic", "--steps", "100000", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=open(out / "run.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while not (out / "steps-0.txt").exists():
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"the run did not start: {(out / 'run.log').read_text()[-2000:]}")
-            time.sleep(0.2)
+        wait_for(f"the first step (see {out / 'run.log'})", (out / "steps-0.txt").exists, proc, 180, poll_s=0.2)
         time.sleep(kill_after_s)
-        pids = {e["replica"]: e["pids"] for e in read_events(str(events)) if e["event"] == "spawn"}
-        victim = pids[3][0]
+        pids = spawned(events)
         others = [p for r, ps in pids.items() if r != 3 for p in ps]
-        os.kill(victim, signal.SIGKILL)
+        kill(pids[3][0])
         killed_at = time.time()
         samples = []
         for t in range(int(watch_s) + 1):

@@ -38,19 +38,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from harness import events, kill, reap, spawned, wait_for
 from kill_storm import _members
 
-from monarch_plugin.events import EventLog, read_events
+from monarch_plugin.events import read_events
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "workload.py"
@@ -95,9 +94,9 @@ def _victims(variant: str, out: Path) -> list[int]:
     """The pids a kill may hit now: members of the newest elastic generation above `min_replicas`, or the workers
     of torchrun's newest round once it trains."""
     if _elastic(variant):
-        events = read_events(str(out / "events.jsonl")) if (out / "events.jsonl").exists() else []
-        spawned = {e["replica"]: e["pids"][0] for e in events if e["event"] == "spawn"}
-        members = [spawned[m] for m in _members(events) if m in spawned]
+        run_events = events(out / "events.jsonl")
+        started = spawned(out / "events.jsonl")
+        members = [started[m][0] for m in _members(run_events) if m in started]
         return members if len(members) > MIN_REPLICAS else []
     rounds = [int(p.name.split("-")[2]) for p in out.glob("pid-*-*")]
     if not rounds:
@@ -119,10 +118,8 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
     kills: list[dict] = []
     capped = False
     try:
-        while not any(_lines(out).values()):
-            if proc.poll() is not None:
-                raise RuntimeError(f"{variant} ended before its first step; see {out / 'run.log'}")
-            time.sleep(0.05)
+        wait_for(f"{variant}'s first step (see {out / 'run.log'})", lambda: any(_lines(out).values()), proc,
+                 timeout=600, poll_s=0.05)
         first = time.time()
         due = first + every * rng.uniform(0.5, 1.5) if every else None
         while proc.poll() is None:
@@ -136,27 +133,16 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
             if not victims:
                 continue  # still due: it fires once there is someone to hit
             pid = rng.choice(victims)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+            if not kill(pid, out / "events.jsonl" if _elastic(variant) else None):
                 continue
             kills.append({"ts": time.time(), "pid": pid})
-            if _elastic(variant):
-                EventLog(str(out / "events.jsonl"), source="benchmark").emit("kill", pid=pid)
             due += every * rng.uniform(0.5, 1.5)
         if capped:
             proc.terminate()  # monarch-run and torchrun each stop their workers on SIGTERM
         rc = proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc, _all_pids(out))
         log.close()
-        for pid in _all_pids(out):  # nothing this benchmark started may outlive it
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     if rc != 0 and not capped:
         raise RuntimeError(f"{variant} failed (rc {rc}); see {out / 'run.log'}")
     lines = _lines(out)
@@ -188,8 +174,7 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
 
 def _all_pids(out: Path) -> list[int]:
     """The workers this run reported that still run this benchmark's code (a pid of a dead one may be reused)."""
-    events = read_events(str(out / "events.jsonl")) if (out / "events.jsonl").exists() else []
-    pids = [p for e in events if e["event"] == "spawn" for p in e["pids"]]
+    pids = [p for ps in spawned(out / "events.jsonl").values() for p in ps]
     pids += [int(p.read_text()) for p in out.glob("pid-*-*") if p.read_text().strip()]
     ours = []
     for pid in pids:

@@ -18,14 +18,14 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from monarch_plugin.events import EventLog, read_events
+from harness import kill, reap, spawned, wait_for
+from monarch_plugin.events import read_events
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "workload.py"
@@ -86,16 +86,14 @@ def storm(work: Path, spares: int, every: float, duration: float, steps: int, se
     log = open(out / "run.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=out)
     kills: list[dict] = []
-    spawned: dict[int, list[int]] = {}
     watching = threading.Event()
     if dump_after_s > 0:
         threading.Thread(target=_dump_pauses, args=(out, events_path, proc, dump_after_s, watching),
                          daemon=True).start()
     try:
-        while len(_commits(out)) < WARMUP_STEPS:  # the storm starts once training runs at full speed
-            if proc.poll() is not None:
-                raise RuntimeError(f"run ended before step {WARMUP_STEPS}; see {out / 'run.log'}")
-            time.sleep(0.1)
+        # The storm starts once training runs at full speed.
+        wait_for(f"step {WARMUP_STEPS} (see {out / 'run.log'})", lambda: len(_commits(out)) >= WARMUP_STEPS, proc,
+                 timeout=600, poll_s=0.1)
         t0 = time.time()
         next_kill = t0 + every
         while time.time() < t0 + duration and proc.poll() is None:
@@ -103,33 +101,21 @@ def storm(work: Path, spares: int, every: float, duration: float, steps: int, se
             if time.time() >= t0 + duration or proc.poll() is not None:
                 break
             next_kill += every
-            events = read_events(str(events_path))
-            spawned = {e["replica"]: e["pids"] for e in events if e["event"] == "spawn"}
-            members = [m for m in _members(events) if m in spawned]
+            started = spawned(events_path)
+            members = [m for m in _members(read_events(str(events_path))) if m in started]
             if len(members) <= MIN_REPLICAS:
                 kills.append({"ts": time.time(), "skipped": f"only {len(members)} live members"})
                 continue
             victim = rng.choice(members)
-            pid = spawned[victim][0]
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
+            pid = started[victim][0]
+            if not kill(pid, events_path, replica=victim):
                 continue
-            EventLog(str(events_path), source="benchmark").emit("kill", replica=victim, pid=pid)
             kills.append({"ts": time.time(), "replica": victim, "pid": pid})
         rc = proc.wait(timeout=1800)
     finally:
         watching.set()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc, spawned(events_path))
         log.close()
-        for pids in spawned.values():  # nothing this benchmark started may outlive it
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
     commits = _commits(out)
     storm_end = t0 + duration
     during = [t for t in commits if t0 <= t <= storm_end]

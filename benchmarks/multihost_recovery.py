@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,25 +32,10 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))
 import netns  # noqa: E402
+from harness import finished, kill, reap, spawned, wait_for  # noqa: E402
 
 WORKLOAD = REPO / "tests" / "workloads" / "held_loop.py"
 HOST_TIMEOUT_S = 5.0
-
-
-def _events(path: Path) -> list[dict]:
-    return read_events(str(path)) if path.exists() else []
-
-
-def _wait(predicate, proc: subprocess.Popen, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise RuntimeError(f"run ended before {what}")
-        time.sleep(0.02)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def _progress(out: Path, replica: int) -> int:
@@ -60,12 +43,6 @@ def _progress(out: Path, replica: int) -> int:
         return int((out / f"progress-{replica}").read_text() or -1)
     except (FileNotFoundError, ValueError):
         return -1
-
-
-def _kill(events_path: Path, replica: int, pids: list[int]) -> None:
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
-    EventLog(str(events_path), source="benchmark").emit("kill", replica=replica, pid=pids[0])
 
 
 def _start(work: Path, extra: list[str], epochs: int) -> tuple[subprocess.Popen, Path, Path]:
@@ -88,15 +65,13 @@ def _phases(events: list[dict]) -> list[dict]:
 def run_local(work: Path) -> list[dict]:
     proc, out, events = _start(work, [], epochs=25)
     try:
-        _wait(lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180, "three replicas training")
-        victim = next(e for e in _events(events) if e["event"] == "spawn" and e["replica"] == 1)
-        _kill(events, 1, victim["pids"])
-        if proc.wait(timeout=300) != 0:
-            raise RuntimeError(f"local run failed; see {work}")
+        wait_for("three replicas training", lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180)
+        for pid in spawned(events)[1]:
+            kill(pid, events, replica=1)
+        finished(proc, 300, "the local run", work)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    return _phases(_events(events))
+        reap(proc, spawned(events))
+    return _phases(read_events(str(events)))
 
 
 def run_remote(work: Path) -> list[dict]:
@@ -107,23 +82,23 @@ def run_remote(work: Path) -> list[dict]:
         proc, out, events = _start(work, ["--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip,
                                           "--replicas-per-host", "1", "--host-timeout", str(HOST_TIMEOUT_S)],
                                    epochs=60)
-        _wait(lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180, "three replicas training")
-        on_host = {e["host"]: e for e in _events(events) if e["event"] == "spawn"}
+        wait_for("three replicas training", lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180)
+        on_host = {e["host"]: e for e in read_events(str(events)) if e["event"] == "spawn"}
         worker = on_host[net.address(2)]
-        _kill(events, worker["replica"], worker["pids"])
-        _wait(lambda: sum(e["event"] == "quorum" for e in _events(events)) == 3, proc, 120, "the regrow")
+        for pid in worker["pids"]:
+            kill(pid, events, replica=worker["replica"])
+        wait_for("the regrow", lambda: sum(e["event"] == "quorum" for e in read_events(str(events))) == 3, proc, 120)
         time.sleep(1.0)
         lost = on_host[net.address(1)]["replica"]
         net.kill_host(1)
         EventLog(str(events), source="benchmark").emit("kill", replica=lost, pid=-1)
-        _wait(lambda: any(e["event"] == "host_lost" for e in _events(events)), proc, 60, "the host lost")
+        wait_for("the host lost", lambda: any(e["event"] == "host_lost" for e in read_events(str(events))), proc, 60)
         net.start_agent(1, port=netns.AGENT_PORT + 1)
-        if proc.wait(timeout=300) != 0:
-            raise RuntimeError(f"remote run failed; see {work}")
-        return _phases(_events(events))
+        finished(proc, 300, "the remote run", work)
+        return _phases(read_events(str(events)))
     finally:
-        if proc is not None and proc.poll() is None:
-            proc.kill()
+        if proc is not None:
+            reap(proc)
         net.close()
 
 

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from monarch_plugin.events import EventLog, read_events
+from harness import finished, kill, reap, spawned, wait_for
+from monarch_plugin.events import read_events
 from monarch_plugin.report import recoveries
 
 HERE = Path(__file__).resolve().parent
@@ -48,11 +47,7 @@ def _median_interval(points: list[tuple[int, float]], skip: int = 3) -> float:
 
 
 def _wait_lines(path: Path, n: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while len(_steps(path)) < n:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"run ended or timed out before {path} had {n} steps")
-        time.sleep(0.02)
+    wait_for(f"{path} to have {n} steps", lambda: len(_steps(path)) >= n, proc, timeout)
 
 
 def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
@@ -79,14 +74,10 @@ def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
     try:
         _wait_lines(out / "steps-1.txt", kill_at, proc, timeout=1800)
-        victim = next(e for e in read_events(str(events_path)) if e["event"] == "spawn" and e["replica"] == 1)
-        os.kill(victim["pids"][0], signal.SIGKILL)
-        EventLog(str(events_path), source="benchmark").emit("kill", replica=1, pid=victim["pids"][0])
-        if proc.wait(timeout=1800) != 0:
-            raise RuntimeError(f"elastic run failed; see {out}")
+        kill(spawned(events_path)[1][0], events_path, replica=1)
+        finished(proc, 1800, "the elastic run", out)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        reap(proc, spawned(events_path))
     before = [(s, t) for s, t in _steps(out / "steps-0.txt") if s < kill_at]
     rec = recoveries(read_events(str(events_path)))[0]
     survivor = [(s, t - rec.killed_at) for s, t in _steps(out / "steps-0.txt")]
@@ -107,14 +98,12 @@ def run_restart(work: Path, size: str, replicas: int, steps: int, kill_at: int, 
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_lines(out / "steps-1-0.txt", kill_at, proc, timeout=1800)
-        os.kill(int((out / "pid-1-0").read_text()), signal.SIGKILL)
+        kill(int((out / "pid-1-0").read_text()))
         killed_at = time.time()
         killed_step = len(_steps(out / "steps-1-0.txt"))
-        if proc.wait(timeout=1800) != 0:
-            raise RuntimeError(f"restart run failed; see {out}")
+        finished(proc, 1800, "the restart run", out)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        reap(proc)
     after = _steps(out / "steps-0-1.txt")
     series = [(s, t - killed_at) for s, t in _steps(out / "steps-0-0.txt") + after]
     return {"kill_to_next_commit": after[0][1] - killed_at, "steps_redone": killed_step - after[0][0],
