@@ -346,7 +346,8 @@ def front_end_fields(owned: tuple[str, ...] = ()) -> list[dataclasses.Field]:
 def given(config: ElasticConfig) -> dict[str, object]:
     """The settings of `config` its caller chose: those that differ from a config of the same `replicas` and
     `hosts` left at its defaults, so the defaults resolved from them (`max_replicas`, `store_host`) and from the
-    environment (`events_path`, `fault`) count as unset, and a front end can put its framework's in their place."""
+    environment (`events_path`, `fault`) count as unset, and a front end can put its framework's in their place.
+    `replicas` is always in it: the baseline shares it, so a front end that sets its own can check they agree."""
     baseline = ElasticConfig(replicas=config.replicas, hosts=config.hosts)
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(ElasticConfig)
             if f.name == "replicas" or getattr(config, f.name) != getattr(baseline, f.name)}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ElasticSampler", "ShareSampler", "reloader", "share", "shard_bounds", "weight"]
+__all__ = ["ElasticSampler", "ShareSampler", "forget_before", "reloader", "share", "shard_bounds", "weight"]
 
 
 def shard_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -120,8 +120,8 @@ class ShareSampler:
     Each share issued is remembered by (epoch, position), because a framework fetches a batch ahead and DataLoader
     workers prefetch more: a batch in hand may have been cut for a generation that no longer exists. At step time
     the front end compares the share it holds (`issued`, `in_hand`) with the one the live group gives that
-    micro-batch, and loads a fresh one where they differ. From the cursor on (Lightning), or from the epoch's start (`from_start`: HF's
-    resume path skips the micro-batches already trained).
+    micro-batch, and loads a fresh one where they differ. From the cursor on (Lightning), or from the epoch's start
+    (`from_start`: HF's resume path skips the micro-batches already trained).
     """
 
     def __init__(self, sampler: ElasticSampler, size: int, cut, *, from_start: bool = False):
@@ -147,16 +147,19 @@ class ShareSampler:
         cursor: the oldest issued from there on, once those before it are dropped. None when that is not
         `micro`'s own: none was issued for it, or it was passed (a window being redone holds its last batch)."""
         key = self.key(micro)
-        for old in [k for k in self.issued if k < key]:
-            del self.issued[old]
+        forget_before(self.issued, key)
         oldest = next(iter(self.issued.items()), None)
         return oldest[1] if oldest is not None and oldest[0] == key else None
 
     def forget(self) -> None:
         """Drop the shares of committed steps (those before the cursor)."""
-        done = self.key(0)
-        for key in [k for k in self.issued if k < done]:
-            del self.issued[key]
+        forget_before(self.issued, self.key(0))
+
+
+def forget_before(issued: dict[tuple[int, int], list[int]], key: tuple[int, int]) -> None:
+    """Drop, in place, the shares recorded for micro-batches before (epoch, position) `key`."""
+    for old in [k for k in issued if k < key]:
+        del issued[old]
 
 
 def reloader(loader, batch_sampler, loader_class=None, *args):

@@ -42,7 +42,7 @@ from transformers.utils import logging
 from monarch_plugin.config import LOOP_ONLY, cli_flag, field_default
 from monarch_plugin.integrations.hf import _trainer_hooks
 from monarch_plugin.integrations.hf._stream import ElasticStream
-from monarch_plugin.sampler import ElasticSampler, ShareSampler, reloader, share, weight
+from monarch_plugin.sampler import ElasticSampler, ShareSampler, forget_before, reloader, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 
@@ -282,20 +282,19 @@ class MonarchElasticCallback(TrainerCallback):
         state = self._trainer.state
         return state.max_steps > 0 and state.global_step >= state.max_steps
 
-    def _take_main_role(self) -> None:
+    def _take_main_role(self, open_bar: bool = True) -> None:
         """HF's process-zero flags follow the generation's rank 0, which moves when the main replica dies; a
-        replica that becomes main mid-run opens the progress bar."""
+        replica that becomes main mid-run opens the progress bar (`open_bar`)."""
         trainer = self._trainer
         state = trainer.state
         promoted = self.is_main_replica and not state.is_world_process_zero
         state.is_world_process_zero = state.is_local_process_zero = self.is_main_replica
-        if self._joined and promoted:
+        if open_bar and self._joined and promoted:
             _trainer_hooks.open_progress_bar(trainer)
 
     def _give_up(self, committed: int) -> str | None:
         """The controller gave up: the main replica writes HF's checkpoint of the last committed step."""
-        self._joined = False  # no progress bar for it
-        self._take_main_role()
+        self._take_main_role(open_bar=False)  # HF saves from process zero; no bar to show for it
         path = _trainer_hooks.save_checkpoint(self._trainer)
         self._save_stream_position(path)
         return path
@@ -317,7 +316,8 @@ class MonarchElasticCallback(TrainerCallback):
         if self._stream is not None:
             self._micro_batches = self._accumulate  # a stream's passes are cut into whole steps
         else:
-            remaining = self._sampler.batches_per_epoch(self._micro_batch_size) - self._sampler.cursor // self._micro_batch_size
+            size = self._micro_batch_size
+            remaining = self._sampler.batches_per_epoch(size) - self._sampler.cursor // size
             self._micro_batches = min(self._accumulate, remaining)
         self._substeps = 0
         # DataLoader workers cut shares ahead of time; a share cut for an older generation is recomputed at commit.
@@ -356,9 +356,15 @@ class MonarchElasticCallback(TrainerCallback):
     def _commit(self, args) -> None:
         """Reduce, or drop and redo the step on the new generation, until it commits (or a heal hands it over)."""
         trainer, tx, start = self._trainer, self._tx, self._step
-        zero_grad = lambda: trainer.model.zero_grad(set_to_none=True)  # noqa: E731
-        redone = []
-        if tx.commit(start, lambda: self._step, lambda redo: redone.append(self._redo_window()) or [], zero_grad,
+        redone = False
+
+        def attempt(redo: bool) -> list[float]:
+            nonlocal redone
+            self._redo_window()  # its micro-batches were cut for another group, or their gradients are gone
+            redone = True
+            return []
+
+        if tx.commit(start, lambda: self._step, attempt, lambda: trainer.model.zero_grad(set_to_none=True),
                      computed=self._armed) is None:
             # A peer committed this step while ours was dropped; the heal handed us its result. With no gradients,
             # HF's optimizer.step() that follows is a no-op; its scheduler step and global_step increment bring this
@@ -371,9 +377,7 @@ class MonarchElasticCallback(TrainerCallback):
             self._stream.commit()
         else:
             self._sampler.advance(self._micro_batch_size, self._micro_batches)
-        done = (self._data.epoch, self._data.cursor)
-        for key in [k for k in self._issued if k < done]:
-            del self._issued[key]
+        forget_before(self._issued, (self._data.epoch, self._data.cursor))
         self._step += 1
         self._committed_world = tx.world
         tx.committed(start)
@@ -519,7 +523,8 @@ class _HealState(TrainingState):
 
     @property
     def schedulers(self) -> list:
-        return [s for s in (self.owner._trainer.lr_scheduler,) if s is not None]
+        scheduler = self.owner._trainer.lr_scheduler
+        return [scheduler] if scheduler is not None else []
 
     @property
     def step(self) -> int:
