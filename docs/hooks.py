@@ -54,7 +54,7 @@ SCANNED = ("monarch_plugin", "integrations")
 
 USER_FACING = frozenset(errors.__all__) | {
     "MisconfigurationException", "ValueError", "TypeError", "RuntimeError", "TimeoutError", "ImportError",
-    "SystemExit",
+    "SystemExit", "ProtocolError",
 }
 """Exception types whose messages reach users: the product's own (`monarch_plugin.errors`), Lightning's
 configuration error, and the built-in types the product raises with a message that names the fix."""
@@ -65,7 +65,8 @@ INTERNAL = {
     "CollectiveTimedOut": "a reduction ran past `collective_timeout_s`; reported to the controller as a hang",
     "CollectiveInterrupted": "the base of the three above",
     "StopReplica": "the controller stopped this replica (give-up, or not in the newest generation)",
-    "InjectedFault": "the opt-in `raise` fault; the run reports it as a bug in the training code",
+    "InjectedFault": "the opt-in `raise` fault: an exception in the training code, which the run survives as any",
+    "OutOfMemoryError": "the opt-in `oom` fault: a device out of memory, as torch raises it",
     "DataloaderExhaustedError": "torchtitan's end-of-data signal, which its own loop handles",
     "AttributeError": "Python's attribute protocol on the `monarch_plugin` package",
 }

@@ -40,6 +40,7 @@ from monarch_plugin.protocol import (
     Phase,
     Plan,
     Probed,
+    Raised,
     ReplicaState,
     Report,
     Returned,
@@ -132,6 +133,11 @@ class _Replica:
     holds: bool = False
     """It holds the run's trained state (`Plan.holders`): a member of the first generation, or every proc of it
     counted in `Key.holds` since."""
+    raised: Raised | None = None
+    """Its training code raised (the first of its procs to report it)."""
+    kept: bool = False
+    """Its training code raised while its one proc held the run's state untouched: the proc is kept until the run's
+    decision is taken, in case the run stops with no replica in training left to write the give-up checkpoint."""
 
 
 class ElasticController:
@@ -175,6 +181,12 @@ class ElasticController:
         self._announced_at = 0.0
         self._wedge_checked = -1  # the last generation probed for members wedged in an older formation
         self._stall_probed = -1  # the last generation probed for the member its stall waits on
+        self.action = Action.TRAIN
+        """What the current generation's members do."""
+        self._raises: list[tuple[int, Raised]] = []  # (replica, report) of every training code that raised
+        self._raised_read = 0  # `Key.RAISED` lines handled
+        self.oom_floor = 0
+        """The fewest replicas the run may train on since one ran out of memory (`policies.oom_floor`); 0: no floor."""
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -333,6 +345,7 @@ class ElasticController:
             self._check_starting()
             self._check_stalled()
             self._check_wedged()
+            self._check_floor()
             if self._training_over():
                 self.events.emit("run_end", gen=self.finished_gen, members=self._finishers())
                 return
@@ -361,6 +374,7 @@ class ElasticController:
                 item = self._q.get_nowait()
             except queue.Empty:
                 item = None
+        self._read_raised()
         for r in self.replicas.values():
             if r.state == ReplicaState.SPAWNING and r.pids and self._is_ready(r):
                 r.state = ReplicaState.WAITING
@@ -385,22 +399,10 @@ class ElasticController:
         return self.store.check([key]) and self.store.add(key, 0) >= self.config.procs_per_replica
 
     def _on_return(self, replica: _Replica, outcomes: list[Outcome]) -> None:
-        errors = [o for o in outcomes if o.status == "error"]
+        errors = [o.raised for o in outcomes if o.status == "error"]
         if errors:
-            error = errors[0]
-            replica.state = ReplicaState.DEAD
-            self.events.emit("user_error", replica=replica.rid, error=error.error, stage=error.stage)
-            self._stop_everything()
-            if error.stage == "load":  # every replica would fail the same way: no respawn either
-                what = (
-                    f"replica {replica.rid} could not load the target ({error.error}): replicas run in the "
-                    "controller's working directory with its sys.path, and what the target imports must be "
-                    "importable from there; install the module or keep it in a directory the replicas can read"
-                )
-            else:
-                what = f"the training code raised in replica {replica.rid}: {error.error}"
-            raise ReplicaCodeError(f"{what}\n--- replica traceback ---\n{error.traceback}")
-        if all(o.status == "ok" for o in outcomes):
+            self._on_raised(replica, errors[0])
+        elif all(o.status == "ok" for o in outcomes):
             replica.state = ReplicaState.FINISHED
             replica.results = [o.value for o in outcomes]
             if self.finished_gen is None:
@@ -408,6 +410,64 @@ class ElasticController:
             self.events.emit("finished", replica=replica.rid, gen=outcomes[0].gen)
         elif replica.state != ReplicaState.DEAD:
             replica.state = ReplicaState.STOPPED
+
+    def _read_raised(self) -> None:
+        """What the store says raised: a proc of a replica of several tells it there at once, while its siblings may
+        be stuck in a collective with it, so that the replica's actor call never returns."""
+        if self.store is None or self.store.add(Key.RAISED_COUNT, 0) <= self._raised_read:
+            return
+        reports = Raised.parse(self.store.get(Key.RAISED))
+        for raised in reports[self._raised_read:]:
+            if raised.replica in self.replicas:
+                self._on_raised(self.replicas[raised.replica], raised)
+        self._raised_read = len(reports)
+
+    def _on_raised(self, replica: _Replica, raised: Raised) -> None:
+        """A replica's training code raised (a CUDA, NCCL or out-of-memory error, a flaky disk), or the runtime's own
+        part of it failed: that replica's failure, replaced as after a death. Unless it is the code's own bug, which
+        no replacement fixes: raised by the target's load, at set-up before the run's first generation, after the
+        end of training, or the same exception at the same step as another replica raised (on other data)."""
+        if replica.raised is not None or not replica.state.live:
+            return  # one report a replica: its first proc's
+        replica.raised = raised
+        where = f"at step {raised.step}" if raised.step >= 0 else "before its first step"
+        logger.warning("replica %d raised %s: %s\n--- replica %d traceback ---\n%s", replica.rid, where, raised.error,
+                       replica.rid, raised.traceback.rstrip())
+        if raised.stage == "load" or raised.finished or (raised.gen < 0 and replica.initial and self.gen < 0):
+            self._stop_on_code_error(replica, raised)
+        self._raises.append((replica.rid, raised))
+        replica.kept = raised.held is not None and self.config.procs_per_replica == 1 and self._holds(replica)
+        twin = None if raised.runtime or raised.gen < 0 else next(
+            ((r, o) for r, o in self._raises[:-1] if r != replica.rid and (o.kind, o.step) == (raised.kind, raised.step)),
+            None)
+        if twin is not None:
+            replica.state = ReplicaState.STOPPED
+            first, other = twin
+            tracebacks = "".join(f"\n--- replica {r} traceback ---\n{o.traceback.rstrip()}"
+                                 for r, o in ((first, other), (replica.rid, raised)))
+            self._give_up(policies.same_error(first, replica.rid, raised), tracebacks, ReplicaCodeError)
+        if raised.oom and replica.state == ReplicaState.MEMBER:
+            self.oom_floor = max(self.oom_floor, policies.oom_floor(len(self.members), self.config))
+        how = f"its monarch-plugin {raised.runtime} failed" if raised.runtime else f"raised {raised.kind.rsplit('.')[-1]}"
+        self._on_deaths([replica], f"{how} {where}")
+
+    def _stop_on_code_error(self, replica: _Replica, raised: Raised) -> NoReturn:
+        """The code fails wherever it runs: stop the run at once, respawning nobody."""
+        replica.state = ReplicaState.DEAD
+        self.events.emit("user_error", replica=replica.rid, error=raised.error, stage=raised.stage)
+        self._stop_everything()
+        if raised.stage == "load":
+            what = (
+                f"replica {replica.rid} could not load the target ({raised.error}): replicas run in the "
+                "controller's working directory with its sys.path, and what the target imports must be "
+                "importable from there; install the module or keep it in a directory the replicas can read"
+            )
+        elif raised.finished:
+            what = f"the training code raised in replica {replica.rid} after training ended: {raised.error}"
+        else:
+            what = (f"the training code raised in replica {replica.rid} while setting up, before the run's first step "
+                    f"(every replica runs the same set-up): {raised.error}")
+        raise ReplicaCodeError(f"{what}\n--- replica traceback ---\n{raised.traceback}")
 
     def _on_death(self, replica: _Replica, how: str, why: str = "") -> None:
         self._on_deaths([replica], how, why)
@@ -448,9 +508,8 @@ class ElasticController:
             self.events.emit("death", replica=replica.rid, pids=replica.pids, detected_by=how,
                              gen=self.gen, was_member=was_member, host=self.hosts.host_of(replica.rid).name)
             self.hosts.unwatch(replica.rid)
-            self.hosts.kill(replica.rid)  # the rest of its group would only block its peers now
-            self.hosts.release(replica.rid)
-            threading.Thread(target=self._stop_mesh, args=(replica,), daemon=True).start()
+            if not replica.kept:  # a kept one goes once the run's decision is taken, below
+                self._end(replica)
             if not replica.initial and not replica.admitted and not host_lost:
                 self.early_deaths += 1
             if was_member:
@@ -458,7 +517,8 @@ class ElasticController:
         if self._closing.is_set():
             return
         ids = [r.rid for r in dead]
-        what = (f"replica {ids[0]}" if len(ids) == 1 else f"replicas {ids}") + f" died ({how}{': ' + why if why else ''})"
+        what = (f"replica {ids[0]}" if len(ids) == 1 else f"replicas {ids}") + (
+            f" {how}" if dead[0].raised else f" died ({how}{': ' + why if why else ''})")
         where = sorted({self.hosts.host_of(r).name for r in ids})
         if (self.config.hosts or self.config.hosts_file) and not all(w in how for w in where):
             what += f" on {', '.join(where)}"
@@ -483,10 +543,20 @@ class ElasticController:
             logger.warning("%s; the run stops (%s)", what, stop)
             self._give_up(stop)
             return
-        for _ in dead:
+        for replica in dead:
+            if replica.kept:  # the run goes on: the state it kept is not needed
+                replica.kept = False
+                self._end(replica)
             self._schedule_respawn()
         started = len(self._respawn_at) - spawning
         logger.warning("%s%s", what, f"; {started} replacement(s) starting" if started > 0 else "")
+        self._check_floor()
+
+    def _end(self, replica: _Replica) -> None:
+        """A dead replica's procs go, and its slot with them: the rest of its group would only block its peers now."""
+        self.hosts.kill(replica.rid)
+        self.hosts.release(replica.rid)
+        threading.Thread(target=self._stop_mesh, args=(replica,), daemon=True).start()
 
     def _schedule_respawn(self) -> None:
         live = sum(r.state.live for r in self.replicas.values())
@@ -523,6 +593,10 @@ class ElasticController:
         if len(current) != len(self.members):
             return  # the generation is finishing or changing; admit at the next one
         newcomers = policies.admit(current, self._ready_waiting(), self.wanted)
+        if self.action == Action.WAIT:  # nobody trains: the waiting members take replacements once there are enough
+            if newcomers and len(current) + len(newcomers) >= self.oom_floor:
+                self._announce(current + newcomers, reason=f"replica(s) {newcomers} ready", interrupt=False)
+            return
         if newcomers and self._formed(self.gen):  # a grow moves members only at a step boundary they share
             self._announce(current + newcomers, reason=f"replica(s) {newcomers} ready", interrupt=False)
 
@@ -631,7 +705,7 @@ class ElasticController:
         where it could neither see the newer plan nor give up (its control actor still answers), and the
         others would wait for it at every barrier it never reaches."""
         g = self.gen
-        if g < 0 or g == self._wedge_checked or self.finished_gen is not None:
+        if g < 0 or g == self._wedge_checked or self.finished_gen is not None or self.action == Action.WAIT:
             return
         if time.monotonic() - self._announced_at < FORMATION_BOUND_S + 2 * _STALL_GRACE_S:
             return
@@ -661,6 +735,7 @@ class ElasticController:
         g = self.gen
         previous = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         self.members = list(members)
+        self.action = action
         self.plans[g] = self.members
         self.store.set(Key.plan(g), Plan(gen=g, members=self.members, action=action, reason=reason,
                                          target=self.wanted, holders=holders, checkpoint=checkpoint).dumps())
@@ -724,6 +799,11 @@ class ElasticController:
         stops: never does a generation train from weights the run never trained. Returns what a restore costs, to
         log (empty when training simply goes on)."""
         if any(self._holds(self.replicas[m]) for m in members):
+            if len(members) < self.oom_floor:
+                self._announce(members, reason=f"{reason}; waiting for replacements: {policies.WAIT_WHY}",
+                               interrupt=True, action=Action.WAIT)
+                return (f": replicas {members} wait, training nothing, for {self.oom_floor - len(members)} "
+                        f"replacement(s) ({policies.WAIT_WHY})")
             self._announce(members, reason=reason, interrupt=True)
             return ""
         checkpoint = self._run_checkpoint()
@@ -737,10 +817,12 @@ class ElasticController:
         return (f", and no live replica holds the run's trained state any more: replicas {members} restore "
                 f"{checkpoint} and train again what the run trained after its step {step_of(checkpoint)}")
 
-    def _give_up(self, reason: str) -> NoReturn:
+    def _give_up(self, reason: str, detail: str = "", error: type[ElasticRunAborted] = ElasticRunAborted) -> NoReturn:
         """Stop the run on purpose: the live members that hold the run's state write one durable checkpoint, then
-        everything stops. With none holding it, nothing is written (a replica's own weights would be a checkpoint
-        the run never trained) and the message names the newest checkpoint on disk to resume from."""
+        everything stops; with none in training, a replica whose training code raised writes it from the state it
+        held untouched (`_Replica.kept`). With none holding it, nothing is written (a replica's own weights would be
+        a checkpoint the run never trained) and the message names the newest checkpoint on disk to resume from.
+        `detail` follows the message (the tracebacks of a bug); `error` is what is raised."""
         live = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
         holders = [m for m in live if self._holds(self.replicas[m])]
         checkpoint = None
@@ -753,13 +835,19 @@ class ElasticController:
                 except queue.Empty:
                     continue
                 if isinstance(report, Returned):
-                    self.replicas[report.replica].state = ReplicaState.STOPPED
+                    replica = self.replicas[report.replica]
+                    replica.state = ReplicaState.STOPPED
                     # The first proc that wrote one (a replica writes one per proc when each holds its own state).
                     checkpoint = checkpoint or next((o.checkpoint for o in report.outcomes if o.checkpoint), None)
+                    raised = next((o.raised for o in report.outcomes if o.status == "error"), None)
+                    if raised is not None and replica.raised is None:  # it raised instead of writing
+                        replica.raised = raised
+                        replica.kept = raised.held is not None and self.config.procs_per_replica == 1
                 elif isinstance(report, Died):
                     self.replicas[report.replica].state = ReplicaState.DEAD
+        checkpoint = checkpoint or self._checkpoint_held()
         resume_from = checkpoint or self._newest_checkpoint(
-            [r.rid for r in self.replicas.values() if r.state.live and r.control is not None])
+            [r.rid for r in self.replicas.values() if (r.state.live or r.kept) and r.control is not None])
         self.events.emit("give_up", reason=reason, checkpoint=checkpoint, resume_from=resume_from)
         self._stop_everything()
         if checkpoint:
@@ -769,7 +857,34 @@ class ElasticController:
                      "checkpoint")
         else:
             where = "no live replica held the run's trained state to write, and no checkpoint of it was found"
-        raise ElasticRunAborted(f"monarch-plugin stopped the run: {reason}; {where}", resume_from)
+        raise error(f"monarch-plugin stopped the run: {reason}; {where}{detail}", resume_from)
+
+    def _checkpoint_held(self) -> str | None:
+        """The give-up checkpoint when no replica in training wrote one: from a replica whose training code raised
+        while its state was still a committed step's, kept for this (None: there is none, or it wrote nothing)."""
+        for replica in self.replicas.values():
+            if not replica.kept or replica.control is None:
+                continue
+            try:
+                found = replica.control.checkpoint_held.call().get(timeout=self.config.join_timeout_s)
+            except Exception:  # noqa: BLE001 - a proc that cannot write it leaves the others to
+                continue
+            path = next((p for p in found.values() if p), None)
+            if path:
+                return path
+        return None
+
+    def _check_floor(self) -> None:
+        """Members waiting for replacements (`Action.WAIT`) that can no longer all come (restarts used up, or the
+        replacements died): the run stops, as below `min_replicas`, with the waiting members' checkpoint."""
+        if self.action != Action.WAIT or self._closing.is_set():
+            return
+        coming = len(self._respawn_at) + sum(r.state in (ReplicaState.SPAWNING, ReplicaState.WAITING)
+                                             for r in self.replicas.values())
+        stop = policies.short_of_floor(len(self.members), coming, self.oom_floor)
+        if stop:
+            logger.warning("the run stops: %s", stop)
+            self._give_up(stop)
 
     # -- liveness --------------------------------------------------------------------------------------------
 

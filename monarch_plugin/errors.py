@@ -42,6 +42,8 @@ class ElasticRunAborted(RuntimeError):
         self.checkpoint = checkpoint
 
 
-class ReplicaCodeError(RuntimeError):
-    """The training code raised inside a replica, or could not be loaded there (a module the replica
-    cannot import): a bug that respawning cannot fix. The message carries the replica's traceback."""
+class ReplicaCodeError(ElasticRunAborted):
+    """The training code fails wherever it runs, a bug that respawning cannot fix: it raised the same exception at
+    the same step in two replicas (the run stops with its give-up checkpoint, ``checkpoint``), raised while setting
+    up or after training ended, or could not be loaded in a replica (a module the replica cannot import). The message
+    carries the replicas' tracebacks. (An exception in one replica alone is that replica's failure: it is replaced.)"""

@@ -12,9 +12,16 @@ with commas::
                                   and Monarch's own runtime in it answer, its Python threads (the controller's
                                   probes included) do not
     raise:step=3                  raise an exception (a bug in user code; every initial replica if no replica=)
+    oom:replica=1:step=3          raise torch.OutOfMemoryError, as a device that ran out of memory does
 
-`at=` moves the fault from the start of a step to a point of the recovery protocol, the first time the
-replica reaches it (after its committed step reaches `step=`, when given):
+`at=forward` and `at=backward` move a fault of the step into its first forward (before the model's first module
+runs) or its backward (when the gradient reaches the model's last module with parameters); `step=` is exact, as for
+a fault at the step's start:
+
+    raise:replica=1:step=20:at=backward
+
+The other points of `at=` move it to a point of the recovery protocol, the first time the replica reaches it
+(after its committed step reaches `step=`, when given):
 
     arrived          the generation's arrival barrier passed, its group not yet built
     construct        inside the generation's group construction (its own address published)
@@ -42,8 +49,9 @@ from monarch_plugin.errors import ConfigError
 
 __all__ = ["FaultSpec", "InjectedFault", "parse_faults", "MODES", "POINTS"]
 
-MODES = ("sigkill", "exit", "segv", "hang", "stop", "gil", "raise")
-POINTS = ("step", "arrived", "construct", "heal_donor", "heal_recipient")
+MODES = ("sigkill", "exit", "segv", "hang", "stop", "gil", "raise", "oom")
+POINTS = ("step", "forward", "backward", "arrived", "construct", "heal_donor", "heal_recipient")
+_IN_STEP = ("step", "forward", "backward")
 
 
 class InjectedFault(RuntimeError):
@@ -77,7 +85,7 @@ class FaultSpec:
                     "or 'sigkill:replica=3:at=construct'"
                 )
             fields[key] = int(value)
-        if fields.get("at", "step") == "step" and "step" not in fields:
+        if fields.get("at", "step") in _IN_STEP and "step" not in fields:
             raise ConfigError(f"fault {text!r} needs a step, e.g. '{mode}:replica=1:step=20', or a point (at=)")
         return cls(mode=mode, **fields)
 
@@ -90,7 +98,7 @@ class FaultSpec:
     def applies(self, replica_id: int, step: int, at: str = "step") -> bool:
         if at != self.at or (self.replica is not None and self.replica != replica_id):
             return False
-        if at == "step":
+        if at in _IN_STEP:
             return step == self.step
         return self.step is None or step >= self.step
 
@@ -112,7 +120,17 @@ class FaultSpec:
             import re
 
             re.match(r"(a|aa)+$", "a" * 80 + "b")  # backtracks for ages inside one C call, the GIL held
-        raise InjectedFault(f"injected fault {self.mode} at {self.at if self.at != 'step' else f'step {self.step}'}")
+        elif self.mode == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected at {self._where})")
+        raise InjectedFault(f"injected fault {self.mode} at {self._where}")
+
+    @property
+    def _where(self) -> str:
+        if self.at == "step":
+            return f"step {self.step}"
+        return f"the {self.at} of step {self.step}" if self.at in _IN_STEP else self.at
 
 
 def parse_faults(text: str | None) -> tuple[FaultSpec, ...]:

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from monarch_plugin.protocol import Key
 
-__all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "barrier",
-           "supersede", "FORMATION_BOUND_S"]
+__all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "ProtocolError",
+           "barrier", "supersede", "FORMATION_BOUND_S"]
 
 FORMATION_BOUND_S = 10.0
 """Forming a generation's group among members that all passed its arrival barrier, and exchanging their
@@ -39,6 +39,18 @@ class CollectiveFailed(CollectiveInterrupted):
 
 class CollectiveTimedOut(CollectiveInterrupted):
     """No completion within collective_timeout_s: some peer stopped making progress."""
+
+
+class ProtocolError(RuntimeError):
+    """The runtime's own part of a worker failed, not the training code: a bound it waited out, a store it could not
+    reach, a protocol invariant broken. The controller replaces the replica, as after a death, and says which part:
+    `phase` is "join" (entering a generation), "vote" (among a replica's procs), "heal" or "barrier" (leaving
+    together at the end)."""
+
+    def __init__(self, phase: str, message: str):
+        super().__init__(f"monarch-plugin's {phase}: {message}")
+        self.phase = phase
+        self.detail = message
 
 
 _GO, _SUPERSEDED, _TIMED_OUT = b"go", b"superseded", b"timed out"

@@ -8,9 +8,10 @@ process, the store or the clock, so every policy is unit-tested as it is.
 from __future__ import annotations
 
 from monarch_plugin.config import ElasticConfig
+from monarch_plugin.protocol import Raised
 
-__all__ = ["MAX_BACKOFF_S", "admit", "below_min", "crash_loop", "grown", "next_members", "place", "respawn_delay",
-           "respawn_refused", "respawn_wanted", "state_lost"]
+__all__ = ["MAX_BACKOFF_S", "WAIT_WHY", "admit", "below_min", "crash_loop", "grown", "next_members", "oom_floor",
+           "place", "respawn_delay", "respawn_refused", "respawn_wanted", "same_error", "short_of_floor", "state_lost"]
 
 MAX_BACKOFF_S = 30.0
 """The longest a replacement waits after replacements that died before joining."""
@@ -50,6 +51,44 @@ def state_lost(checkpoint: str | None) -> str | None:
         return None
     return ("the last replica holding the run's trained state died before another had healed from it, and this run "
             "wrote no checkpoint to restore mid-run (ElasticLoop's `checkpoint_steps`)")
+
+
+def same_error(first: int, second: int, raised: Raised) -> str:
+    """Why the run stops when replica `second` raised what replica `first` raised, the same exception at the same step
+    (`raised`): on other data, the same code failed at the same place, which a replacement would run again."""
+    if raised.oom:
+        return (f"replicas {first} and {second} both ran out of memory at step {raised.step} ({raised.error}): a "
+                "share of the global batch does not fit on one device; lower the per-device batch (or the model's "
+                "memory: activation checkpointing, a smaller sequence length), or train on more devices")
+    return (f"the training code raised at step {raised.step} in replica {first} and again in replica {second}, on "
+            f"other data ({raised.error}): the same exception at the same step is the code's own, which replacing "
+            "replicas cannot fix")
+
+
+WAIT_WHY = ("a replica ran out of memory, and on fewer replicas each would take a larger share of the global batch "
+            "(`batch_policy` constant_global)")
+"""Why a generation waits for replacements instead of training (`oom_floor`)."""
+
+
+def oom_floor(members: int, config: ElasticConfig) -> int:
+    """The fewest replicas the run may train on once a member of a generation of `members` ran out of memory.
+
+    The global batch is constant ("constant_global", every framework front end's): on fewer replicas each one's share
+    is larger than the one that did not fit, and the survivors would run out of memory in turn. So the run never
+    shrinks below that size again: it waits for replacements (`Action.WAIT`), and stops if none can come. Under
+    ElasticLoop's "constant_local" a share keeps its size whatever the replica count: no floor (0)."""
+    return members if config.batch_policy == "constant_global" else 0
+
+
+def short_of_floor(members: int, coming: int, floor: int) -> str | None:
+    """Why the run must stop when its waiting `members` and the replicas `coming` (starting, or due to) cannot reach
+    the `oom_floor` any more: no replacement can come (`max_restarts` used, or it died)."""
+    if members + coming >= floor:
+        return None
+    return (f"{WAIT_WHY}, so it trains on no fewer than {floor}; {members} replica(s) are left and "
+            f"{'no replacement is' if not coming else f'only {coming} replacement(s) are'} coming: lower the "
+            "per-device batch, keep replacements ready (`spares`), or under ElasticLoop use `batch_policy` "
+            "constant_local, which keeps each replica's share when the run shrinks")
 
 
 def crash_loop(early_deaths: int, config: ElasticConfig) -> str | None:

@@ -20,6 +20,7 @@ __all__ = [
     "Outcome",
     "Phase",
     "Plan",
+    "Raised",
     "ReplicaState",
     "WAITING_ON_PEERS",
     "mesh_names",
@@ -54,6 +55,10 @@ class Action(str, enum.Enum):
     RESTORE = "restore"
     """No member holds the run's trained state (the last replica that did died before another had healed from it):
     every member loads `Plan.checkpoint`, the run's newest complete checkpoint, then trains on from it."""
+    WAIT = "wait"
+    """Training now would take fewer replicas than the run may train on (a replica ran out of memory, and on fewer
+    each would take a larger share of the global batch: `policies.oom_floor`): the members keep their state and
+    wait, training nothing, for the generation that brings the replacements."""
 
 
 class ReplicaState(str, enum.Enum):
@@ -161,6 +166,12 @@ class Key:
         """The barrier (`collectives.barrier`) where the generation's procs `lane` meet at the end of training."""
         return f"fin/{gen}/{lane}"
 
+    RAISED = "raised"
+    """Every `Raised` report of the run, a line each (appended: `Raised.line`, read back by `Raised.parse`)."""
+
+    RAISED_COUNT = "raised/count"
+    """Counter: `Raised` lines appended so far, counted after each is in place: what the controller polls."""
+
     @staticmethod
     def host_beat(host: int) -> str:
         """Counter: beats of the host's watcher; the controller declares a host lost when it stops moving."""
@@ -214,6 +225,48 @@ def unfit_members(raw: str | bytes) -> dict[int, str]:
     return found
 
 
+@dataclass(frozen=True)
+class Raised:
+    """A worker proc's training code raised (or could not even be loaded): what the proc tells the controller at once
+    through the store (`Key.RAISED`), and returns as its `Outcome`. The controller replaces the replica, as after a
+    death, or stops the run when another replica raised the same at the same step (`kind`, `step`)."""
+
+    replica: int
+    lane: int
+    error: str
+    """`Type: message`, as a traceback's last line says it."""
+    kind: str
+    """The exception's qualified type (`torch.OutOfMemoryError`): what a repetition is matched on."""
+    traceback: str
+    stage: str = "run"
+    """"load": the target could not be loaded in the replica; "run": the training code raised."""
+    step: int = -1
+    """The front end's step in flight (the number `--fault ...:step=N` names); -1 before its first."""
+    gen: int = -1
+    """The generation the proc was in; -1: it never joined one (an error while setting up)."""
+    finished: bool = False
+    """It raised after its replicas had finished training together."""
+    phase: str = ""
+    """What the proc was doing (a `Phase`)."""
+    runtime: str = ""
+    """The runtime's own part that failed (`handshake.ProtocolError`: join, vote, barrier, heal); empty when the
+    training code raised."""
+    oom: bool = False
+    """It ran out of memory (`torch.OutOfMemoryError`, `MemoryError`)."""
+    held: int | None = None
+    """The committed steps the proc's state still holds untouched (`StepTransaction.held`), from which it can write
+    the run's give-up checkpoint; None when it raised while that state changed (an optimizer step, a heal)."""
+
+    def line(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def parse(cls, raw: str | bytes) -> list["Raised"]:
+        """Every report in a `Key.RAISED` value, in the order they were appended."""
+        return [cls(**json.loads(line)) for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines()
+                if line.strip()]
+
+
 @dataclass
 class Outcome:
     """What one proc's `ReplicaActor.run` returns to the controller."""
@@ -229,10 +282,8 @@ class Outcome:
     """stopped: why."""
     checkpoint: str | None = None
     """stopped after a give-up: the checkpoint this proc wrote, if it was the one that wrote it."""
-    stage: str = ""
-    """error: "load" (the target could not even be loaded in the replica) or "run" (the training code raised)."""
-    error: str = ""
-    traceback: str = ""
+    raised: Raised | None = None
+    """error: what raised, where."""
 
 
 _MESH = re.compile(r"r(\d+)_(control|replica)")

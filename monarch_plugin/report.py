@@ -143,8 +143,12 @@ def format_recovery(rec: Recovery) -> str:
     def ms(x):
         return "n/a" if x is None else f"{x * 1000:.0f} ms"
 
-    lines = [f"replica {rec.replica} died (noticed by {rec.detected_by}"
-             + (f", {ms(p['kill_to_detected'])} after the kill)" if rec.killed_at else ")")]
+    if rec.detected_by.startswith(("raised ", "its monarch-plugin ")):  # an exception: the replica was alive
+        lines = [f"replica {rec.replica} {rec.detected_by}"
+                 + (f" (noticed {ms(p['kill_to_detected'])} after it was raised)" if rec.killed_at else "")]
+    else:
+        lines = [f"replica {rec.replica} died (noticed by {rec.detected_by}"
+                 + (f", {ms(p['kill_to_detected'])} after the kill)" if rec.killed_at else ")")]
     if rec.restored_step is not None:
         lines.append(f"  no live replica held the run's trained state any more: replicas {rec.restored_by} restored "
                      f"the checkpoint of step {rec.restored_step}, and train again the {rec.redone_steps} step(s) "

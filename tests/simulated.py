@@ -23,7 +23,7 @@ import threading
 import time
 
 from monarch_plugin.events import EventLog
-from monarch_plugin.protocol import Action, Key, Outcome, Plan
+from monarch_plugin.protocol import Action, Key, Outcome, Plan, Raised
 
 __all__ = ["Fleet", "wait_for"]
 
@@ -31,7 +31,7 @@ __all__ = ["Fleet", "wait_for"]
 # -- the replicas' side: worker processes, a thread per replica -------------------------------------------------
 
 def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: threading.Event, step_s: float,
-             report, ready: bool) -> None:
+             report, ready: bool, raising: list) -> None:
     import torch.distributed as dist
 
     from monarch_plugin.handshake import GenerationChanged, barrier
@@ -44,11 +44,21 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
     if ready:  # else it is stuck before its training loop: it waits for plans that never name it
         store.add(Key.ready(rid), 1)
     gen, seen = -1, -1
+
+    def raise_now():  # the training code raised, as a real worker's `ReplicaActor.run` reports it
+        raised = Raised(replica=rid, lane=0, gen=gen, **raising[0])
+        events.emit("raised", replica=rid, step=raised.step, gen=gen, error=raised.error)
+        store.append(Key.RAISED, raised.line())
+        store.add(Key.RAISED_COUNT, 1)
+        return report(rid, Outcome("error", time.time() - t0, raised=raised))
+
     while True:
         # The worker's wait for its next generation (`ReplicaSession._next_plan`): the push, or the store each second.
-        while flags.latest <= seen and not flags.stop:
+        while flags.latest <= seen and not flags.stop and not raising:
             if not flags.wait_for_plan(seen, 1.0):
                 flags.plan(int(store.get(Key.LATEST)))
+        if raising:
+            return raise_now()
         if flags.stop:
             return report(rid, "died" if killed.is_set() else Outcome("stopped", time.time() - t0))
         plan = Plan.loads(store.get(Key.plan(flags.latest)))
@@ -57,6 +67,8 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
             if gen >= 0:
                 return report(rid, Outcome("stopped", time.time() - t0))
             continue
+        if plan.action == Action.WAIT:
+            continue  # training nothing until the plan that brings replacements
         try:
             barrier(store, Key.group(plan.gen, 0), len(plan.members), timeout_s,
                     lambda: flags.stop or flags.latest > plan.gen)
@@ -68,6 +80,8 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
         if plan.action == Action.CHECKPOINT:
             return report(rid, Outcome("stopped", time.time() - t0))
         while not (flags.stop or flags.abort_gen > gen or flags.regroup_gen > gen):  # training
+            if raising:
+                return raise_now()
             if finishing.is_set():
                 try:
                     barrier(store, Key.finished(gen, 0), len(plan.members), timeout_s,
@@ -82,7 +96,7 @@ def _serve(commands, outcomes, step_s: float) -> None:
     """One worker process: start, tell, take out and finish the replicas the controller's side sends it."""
     from monarch_plugin.worker.context import Flags
 
-    replicas: dict[int, tuple[Flags, threading.Event]] = {}
+    replicas: dict[int, tuple[Flags, threading.Event, list]] = {}
     finishing = threading.Event()
 
     def report(rid, outcome):
@@ -91,11 +105,14 @@ def _serve(commands, outcomes, step_s: float) -> None:
     while True:
         kind, rid, arg = commands.get()
         if kind == "start":
-            flags, killed = Flags(), threading.Event()
-            replicas[rid] = (flags, killed)
+            flags, killed, raising = Flags(), threading.Event(), []
+            replicas[rid] = (flags, killed, raising)
             env, ready = arg
-            threading.Thread(target=_replica, args=(rid, env, flags, finishing, killed, step_s, report, ready),
+            threading.Thread(target=_replica, args=(rid, env, flags, finishing, killed, step_s, report, ready, raising),
                              daemon=True).start()
+        elif kind == "raise":
+            replicas[rid][2].append(arg)
+            replicas[rid][0].plan(-1)  # ends the step in flight, which raises
         elif kind in ("plan", "abort", "regroup"):
             getattr(replicas[rid][0], kind)(arg)
         elif kind == "shutdown":
@@ -105,7 +122,7 @@ def _serve(commands, outcomes, step_s: float) -> None:
             replicas[rid][0].request_stop()
         elif kind == "finish":
             finishing.set()
-            for flags, _ in replicas.values():
+            for flags, _, _ in replicas.values():
                 flags.plan(-1)  # wakes every waiting step, so each sees the finish at once
         elif kind == "exit":
             return
@@ -186,12 +203,21 @@ class Fleet:
 
         tell = {kind: (lambda arg=None, kind=kind: self.send(rid, kind, arg)) for kind in
                 ("plan", "abort", "regroup", "shutdown")}
-        control = _Handle(info=lambda: _Got({0: {"pid": proc.pid, "host": socket.gethostname()}}), **tell)
+        control = _Handle(info=lambda: _Got({0: {"pid": proc.pid, "host": socket.gethostname()}}),
+                          checkpoint_held=lambda: _Got({0: None}), newest_checkpoint=lambda: _Got({0: None}), **tell)
         return _Handle(stop=stop), control, _Handle(run=lambda target: self.start(rid, env))
 
     def kill(self, rid: int) -> None:
         """SIGKILL the replica's proc from outside, as a failure would."""
         os.kill(self.placeholders[rid].pid, signal.SIGKILL)
+
+    def raise_in(self, rid: int, step: int, kind: str = "builtins.RuntimeError", oom: bool = False,
+                 runtime: str = "") -> None:
+        """The replica's training code raises `kind` at `step` (its proc lives on, as a real one does); `runtime`: the
+        runtime's own part of the worker failed there instead (`handshake.ProtocolError`)."""
+        name = kind.rsplit(".")[-1]
+        self.send(rid, "raise", {"step": step, "kind": kind, "error": f"{name}: simulated", "oom": oom,
+                                 "runtime": runtime, "traceback": f"Traceback (simulated)\n{name}: simulated in {rid}"})
 
     def start(self, rid: int, env: dict) -> _Run:
         self.runs[rid] = _Run()

@@ -15,7 +15,8 @@ import traceback
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from monarch_plugin.protocol import Outcome
+from monarch_plugin.handshake import ProtocolError
+from monarch_plugin.protocol import Key, Outcome, Raised
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
 from monarch_plugin.procs.lease import Lease
@@ -47,9 +48,15 @@ class ControlActor(Actor):
     @endpoint
     def newest_checkpoint(self) -> str | None:
         """The newest checkpoint the training code's front end holds on disk (None: none, or no front end yet)."""
-        ctx = context._current
-        finder = ctx.newest_checkpoint if ctx is not None else None
-        return finder() if finder is not None else None
+        tx = _transaction()
+        return tx.newest_checkpoint() if tx is not None else None
+
+    @endpoint
+    def checkpoint_held(self) -> str | None:
+        """The training code raised, and the run stops with no replica in training left to write its checkpoint:
+        write it from this proc's state, if that is still a committed step's (`StepTransaction.checkpoint_held`)."""
+        tx = _transaction()
+        return tx.checkpoint_held() if tx is not None else None
 
     @endpoint
     def status(self) -> dict:
@@ -88,6 +95,35 @@ class ReplicaActor(Actor):
 
             if isinstance(e, StopReplica):
                 return Outcome("stopped", time.time() - t0, reason=str(e), checkpoint=e.checkpoint)
-            return Outcome("error", time.time() - t0, stage=stage, error=f"{type(e).__name__}: {e}",
-                           traceback=traceback.format_exc())
+            return Outcome("error", time.time() - t0, raised=_report(e, stage))
         return Outcome("ok", time.time() - t0, value=value, gen=context.flags.finished_gen)
+
+
+def _transaction():
+    ctx = context._current
+    return ctx.transaction if ctx is not None else None
+
+
+def _report(e: BaseException, stage: str) -> Raised:
+    """What raised, told to the controller through the store at once: for a replica of several procs the others may
+    be stuck in a collective with this one, and the actor call returns only once every proc of the mesh has."""
+    ctx, tx, flags = context._current, _transaction(), context.flags
+    oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
+    raised = Raised(
+        replica=int(os.environ.get("MONARCH_PLUGIN_REPLICA_ID", -1)), lane=int(os.environ.get("LOCAL_RANK", 0)),
+        error=f"{type(e).__name__}: {e}", kind=f"{type(e).__module__}.{type(e).__qualname__}",
+        traceback=traceback.format_exc(), stage=stage, step=flags.step, gen=tx.gen if tx is not None else -1,
+        finished=flags.finished_gen >= 0, phase=flags.phase.value,
+        runtime=e.phase if isinstance(e, ProtocolError) else "", oom=oom,
+        held=tx.held if tx is not None else None,
+    )
+    if ctx is not None and stage == "run":
+        ctx.events.emit("raised", replica=raised.replica, lane=raised.lane, step=raised.step, gen=raised.gen,
+                        error=raised.error, type=raised.kind, phase=raised.phase, runtime=raised.runtime, oom=oom,
+                        held=raised.held, pid=os.getpid())
+        try:
+            ctx.store.append(Key.RAISED, raised.line())
+            ctx.store.add(Key.RAISED_COUNT, 1)
+        except Exception:  # noqa: BLE001 - the returned outcome still tells the controller, once every proc returned
+            pass
+    return raised

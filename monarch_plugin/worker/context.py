@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.distributed as dist
 
@@ -112,8 +111,9 @@ class WorkerContext:
         self.faults = [f for f in parse_faults(self.config.fault)
                        if f.targets(self.replica_id, self.initial, self.local_rank)]
         self.flags = flags
-        self.newest_checkpoint: Callable[[], str | None] | None = None
-        """The front end's finder of its newest checkpoint (`StepTransaction`), for `ControlActor.newest_checkpoint`."""
+        self.transaction = None
+        """This proc's `StepTransaction` once the front end built it: what the control actor asks, from its own thread,
+        for the front end's newest checkpoint, and for a give-up checkpoint after the training code raised."""
         self._store: dist.TCPStore | None = None
 
     def fault_point(self, at: str, step: int) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from monarch_plugin.handshake import ProtocolError
 from monarch_plugin.worker.collectives import wait_all
 from monarch_plugin.worker.context import Flags
 from monarch_plugin.worker.dtensors import is_dtensor
@@ -32,6 +33,9 @@ __all__ = ["StateProvider", "HealPlan", "Moved", "plan_heal", "shares", "heal_bo
 
 class StateProvider(Protocol):
     """What a front end hands the runtime so it can serve and receive live state."""
+
+    step: int
+    """The committed steps its state holds."""
 
     def state_dict(self) -> dict: ...
 
@@ -78,8 +82,8 @@ def plan_heal(steps: list[int], fresh: list[bool], holders: list[bool], max_dono
     """
     trusted = [r for r, held in enumerate(holders) if held]
     if not trusted:
-        raise RuntimeError(f"no member of this generation holds the run's trained state (steps {steps}): a "
-                           "generation like that is never published to train; a bug in monarch-plugin")
+        raise ProtocolError("heal", f"no member of this generation holds the run's trained state (steps {steps}): "
+                            "a generation like that is never published to train; a bug in monarch-plugin")
     synced = [r for r in trusted if not fresh[r]]
     if not synced:
         donors: tuple[int, ...] = (trusted[0],)
@@ -129,7 +133,8 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
 def _join(obj: Any, tensors: list[torch.Tensor], mesh: Any) -> Any:
     if isinstance(obj, _ShardSlot):
         if mesh is None:
-            raise RuntimeError("the donor sent sharded state, but this replica's provider names no device_mesh")
+            raise ProtocolError("heal", "the donor sent sharded state, but this replica's provider names no "
+                                "device_mesh")
         from torch.distributed.tensor import DTensor  # loaded already: this replica's own state is sharded
 
         local = tensors[obj.index]

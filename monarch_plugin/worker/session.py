@@ -28,7 +28,7 @@ import torch.distributed as dist
 from monarch_plugin.backend import device_for_backend, resolve_backend
 from monarch_plugin.protocol import Action, Key, Phase, Plan, unfit_line
 from monarch_plugin.handshake import (FORMATION_BOUND_S, CollectiveInterrupted, CollectiveTimedOut, GenerationChanged,
-                                      barrier)
+                                      ProtocolError, barrier)
 from monarch_plugin.worker.collectives import abandon, new_group, wait_all
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider, plan_heal, transfer_state
@@ -101,17 +101,29 @@ class ReplicaSession:
         store = self.ctx.store
         if self.gen < 0:
             if self.ctx.procs_per_replica > 1 and self.intra is None:
-                self.intra = new_group(
-                    store, Key.replica_group(self.ctx.replica_id), self.ctx.local_rank, self.ctx.procs_per_replica,
-                    "gloo", self.ctx.config.join_timeout_s, superseded=lambda: self.flags.stop,
-                )
+                try:
+                    self.intra = new_group(
+                        store, Key.replica_group(self.ctx.replica_id), self.ctx.local_rank,
+                        self.ctx.procs_per_replica, "gloo", self.ctx.config.join_timeout_s,
+                        superseded=lambda: self.flags.stop,
+                    )
+                except CollectiveInterrupted as e:
+                    if self.flags.stop:
+                        raise StopReplica("the controller stopped this replica") from e
+                    raise ProtocolError("join", f"this replica's own procs could not form their group: {e}") from e
             store.add(Key.ready(self.ctx.replica_id), 1)
             self.ctx.events.emit("ready", replica=self.ctx.replica_id, pid=os.getpid())
         self.flags.set_phase(Phase.JOIN)
         tried = -1
+        waiting = False
         while True:
-            plan = self._agreed_plan(after=tried)
+            plan = self._agreed_plan(after=tried, waiting=waiting)
             tried = plan.gen
+            if plan.action == Action.WAIT:
+                # Too few replicas to train at all: hold the state, train nothing, until a plan brings replacements.
+                self.ctx.events.emit("wait", replica=self.ctx.replica_id, gen=plan.gen, reason=plan.reason)
+                waiting = True
+                continue
             failure: CollectiveInterrupted | None = None
             held = step
             try:
@@ -142,18 +154,21 @@ class ReplicaSession:
             abandon(self.pg)
             self.pg = None
 
-    def _agreed_plan(self, after: int) -> Plan:
+    def _agreed_plan(self, after: int, waiting: bool) -> Plan:
         """The plan to join next: local rank 0 picks it and publishes its pick, the other procs follow."""
         if self.intra is None:
-            return self._next_plan(after)
+            return self._next_plan(after, waiting)
         self._picks += 1
         key = Key.pick(self.ctx.replica_id, self._picks)
         store = self.ctx.store
         if self.ctx.local_rank == 0:
             try:
-                plan = self._next_plan(after)
-            except (StopReplica, TimeoutError) as e:
-                store.set(key, json.dumps({"stop": type(e).__name__, "reason": str(e)}))
+                plan = self._next_plan(after, waiting)
+            except StopReplica as e:
+                store.set(key, json.dumps({"stop": "StopReplica", "reason": str(e)}))
+                raise
+            except ProtocolError as e:
+                store.set(key, json.dumps({"stop": "ProtocolError", "reason": e.detail}))
                 raise
             store.set(key, plan.dumps())
             return plan
@@ -165,17 +180,22 @@ class ReplicaSession:
         raw = store.get(key)
         pick = json.loads(raw)
         if "stop" in pick:
-            raise (StopReplica if pick["stop"] == StopReplica.__name__ else TimeoutError)(pick["reason"])
+            if pick["stop"] == "StopReplica":
+                raise StopReplica(pick["reason"])
+            raise ProtocolError("join", pick["reason"])
         return Plan.loads(raw)
 
-    def _next_plan(self, after: int) -> Plan:
+    def _next_plan(self, after: int, waiting: bool = False) -> Plan:
         """The newest plan that includes this worker, newer than its generation and than `after` (a plan
         it already failed to form: retrying that one could only fail again).
 
         The controller pushes each new generation's number to its members and to the members of the one it
         replaces (`ControlActor.plan`, `abort`, `regroup`), so a waiting worker learns of it as a message, not by
         asking the store every few milliseconds. It asks the store once every `PLAN_CHECK_S` all the same, for a
-        push that could not be delivered and for a spare, which is pushed nothing until a plan includes it."""
+        push that could not be delivered and for a spare, which is pushed nothing until a plan includes it.
+
+        A member of a generation waits at most `join_timeout_s` for the next one; a spare, or a member told to wait
+        for replacements (`waiting`, an `Action.WAIT` plan), as long as the controller keeps it."""
         store = self.ctx.store
         rid = self.ctx.replica_id
         deadline = time.monotonic() + self.ctx.config.join_timeout_s
@@ -191,9 +211,9 @@ class ReplicaSession:
                 if self.gen >= 0:
                     raise StopReplica(f"generation {latest} does not include replica {rid}")
                 seen = latest
-            if self.gen >= 0 and time.monotonic() > deadline:  # a spare may wait as long as it is kept
-                raise TimeoutError(
-                    f"replica {rid} waited {self.ctx.config.join_timeout_s:.0f}s for the controller's next "
+            if self.gen >= 0 and not waiting and time.monotonic() > deadline:
+                raise ProtocolError(
+                    "join", f"replica {rid} waited {self.ctx.config.join_timeout_s:.0f}s for the controller's next "
                     "generation after its own was aborted: is the controller still running?"
                 )
             if not self.flags.wait_for_plan(seen, PLAN_CHECK_S):
@@ -232,9 +252,9 @@ class ReplicaSession:
         holders = [m in self.holders for m in self.members]
         if self.pg is None:
             if not holders[0]:
-                raise RuntimeError(f"replica {self.ctx.replica_id} is alone in generation {self.gen} and holds no "
-                                   "state of the run's: a generation like that is never published to train; a bug "
-                                   "in monarch-plugin")
+                raise ProtocolError("join", f"replica {self.ctx.replica_id} is alone in generation {self.gen} and "
+                                    "holds no state of the run's: a generation like that is never published to "
+                                    "train; a bug in monarch-plugin")
             self.fresh = False
             return step
         mine = torch.tensor([step, int(self.fresh)], dtype=torch.int64, device=self.device)
@@ -292,8 +312,8 @@ class ReplicaSession:
         """Load the checkpoint of a RESTORE generation: the last holder of the run's state is gone, and what the run
         trained since this checkpoint is trained again."""
         if self.restore is None:
-            raise RuntimeError(f"generation {self.gen} restores {self.checkpoint}, but this front end cannot load a "
-                               "checkpoint mid-run: a bug in monarch-plugin (only ElasticLoop's are restored)")
+            raise ProtocolError("heal", f"generation {self.gen} restores {self.checkpoint}, but this front end cannot "
+                                "load a checkpoint mid-run: a bug in monarch-plugin (only ElasticLoop's are restored)")
         t0 = time.time()
         step = self.restore(self.checkpoint)
         self.fresh = False
@@ -365,8 +385,8 @@ class ReplicaSession:
             self._broken = True
             return True, False, (step, step)
         if vote[2] != -vote[3]:
-            raise RuntimeError(f"the procs of replica {self.ctx.replica_id} voted from different generations "
-                               f"({int(-vote[3])} and {int(vote[2])}): a bug in monarch-plugin")
+            raise ProtocolError("vote", f"the procs of replica {self.ctx.replica_id} voted from different generations "
+                                f"({int(-vote[3])} and {int(vote[2])}): a bug in monarch-plugin")
         return bool(vote[0] > 0), bool(vote[1] > 0), (int(-vote[5]), int(vote[4]))
 
     def finish(self) -> bool:
@@ -386,7 +406,8 @@ class ReplicaSession:
         except GenerationChanged:
             aborted = True
         except CollectiveTimedOut:
-            raise TimeoutError("replicas did not all reach the end of training together") from None
+            raise ProtocolError("barrier", f"the replicas did not all reach the end of training within "
+                                f"join_timeout_s {self.ctx.config.join_timeout_s:g}") from None
         if self._vote(failed=aborted, gen=self.gen)[0]:
             self._broken = True
             return False

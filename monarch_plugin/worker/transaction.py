@@ -26,15 +26,17 @@ in torchtitan). The state a newcomer heals from is the front end's (a `StateProv
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from typing import Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from monarch_plugin.protocol import Action, Phase
-from monarch_plugin.handshake import CollectiveInterrupted
+from monarch_plugin.handshake import CollectiveInterrupted, ProtocolError
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.dtensors import is_dtensor
 from monarch_plugin.worker.heal import StateProvider
@@ -72,7 +74,8 @@ class StepTransaction:
         thread). `restore(path)` loads one mid-run (a RESTORE generation) and returns its committed steps. `on_join()`
         runs after this proc entered a generation, which may have moved its rank (who logs and writes)."""
         self.ctx = ctx
-        ctx.newest_checkpoint = newest_checkpoint
+        ctx.transaction = self
+        self.newest_checkpoint = newest_checkpoint or (lambda: None)
         self.session = ReplicaSession(ctx, provider, restore)
         self.reducer = GradientReducer(params, self.session.device, overlap=overlap, buffers_of=buffers_of)
         self._give_up = give_up
@@ -85,6 +88,13 @@ class StepTransaction:
         """Steps this proc had dropped for a failure and then, in a new generation, committed."""
         self.last_recovery_s: float | None = None
         """The newest of those: seconds from the drop to the commit, the pause in training as this proc lived it."""
+        self.held: int | None = None
+        """The committed steps the front end's state holds untouched: set at each step boundary, kept through the
+        attempt's forward, backward and reduction, None from a commit (the optimizer stepping) to the next boundary
+        and while a heal loads. If the training code raises while it is set, this proc can still write the run's
+        give-up checkpoint (`checkpoint_held`)."""
+        self._step = -1
+        self._inject_in_passes(buffers_of)
 
     @property
     def gen(self) -> int:
@@ -108,8 +118,12 @@ class StepTransaction:
         re-read its rank and shares. A generation the controller gave up in writes the checkpoint and stops."""
         session = self.session
         if not session.needs_join():
+            self.held = committed
             return False
-        session.join(committed)
+        self.held = None  # a heal may load another state
+        with _runtime_part("join"):
+            session.join(committed)
+        self.held = session.provider.step
         if session.action == Action.CHECKPOINT:
             path = self._give_up(committed) if self.rank == 0 else None
             if path is not None:
@@ -121,6 +135,7 @@ class StepTransaction:
     def begin(self, step: int) -> None:
         """An attempt at `step` starts, before its first forward: the controller sees the proc computing it, the
         fault injected there fires, and the buffers are as the step's first attempt found them."""
+        self._step = step
         self.session.flags.set_phase(Phase.COMPUTE, step)
         self.ctx.fault_point("step", step)
         self.reducer.begin_attempt(step)
@@ -135,7 +150,10 @@ class StepTransaction:
         """Commit or drop the attempt: the metrics summed over the live replicas, or None if it was dropped, in
         which case the gradients are already cleared (`zero_grad`) and the front end syncs and tries again."""
         try:
-            return self.session.reduce(self.reducer, self._weight, list(metrics))
+            with _runtime_part("reduce"):
+                reduced = self.session.reduce(self.reducer, self._weight, list(metrics))
+            self.held = None  # committed: the front end steps its optimizer now
+            return reduced
         except CollectiveInterrupted as e:
             zero_grad()
             if self._dropped_at is None:
@@ -200,12 +218,48 @@ class StepTransaction:
         read again each time."""
         while True:
             self.sync(committed())
-            if self.session.finish():
-                break
+            with _runtime_part("barrier"):
+                if self.session.finish():
+                    break
         self.close()
+
+    def checkpoint_held(self) -> str | None:
+        """After the training code raised, from the control actor's thread (the training thread is gone): write the
+        run's give-up checkpoint from this proc's state, if it is still that of a committed step (`held`). Its path,
+        or None when the state changed mid-step or the front end writes none."""
+        if self.held is None:
+            return None
+        path = self._give_up(self.held)
+        if path is not None:
+            self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=self.held, path=path)
+        return path
+
+    def _inject_in_passes(self, modules: list[torch.nn.Module]) -> None:
+        """Faults configured to fire mid-forward (`at=forward`: before the first module runs) or mid-backward
+        (`at=backward`: when the gradient reaches the last module that holds parameters), at the step in flight."""
+        points = {fault.at for fault in self.ctx.faults}
+        if not modules or not points & {"forward", "backward"}:
+            return
+        fire = self.ctx.fault_point
+        modules[0].register_forward_pre_hook(lambda *_: fire("forward", self._step))
+        leaves = [m for m in modules[0].modules() if not list(m.children()) and list(m.parameters(recurse=False))]
+        if leaves:
+            leaves[-1].register_full_backward_pre_hook(lambda *_: fire("backward", self._step))
 
     def close(self) -> None:
         self.session.close()
+
+
+@contextlib.contextmanager
+def _runtime_part(phase: str):
+    """The runtime's own waits inside a worker: a store it cannot reach, or a formation of its own that could not
+    complete, is a `ProtocolError` of that phase, never reported as the training code's."""
+    try:
+        yield
+    except (dist.DistStoreError, dist.DistNetworkError, CollectiveInterrupted) as e:
+        if isinstance(e, CollectiveInterrupted) and phase == "reduce":
+            raise  # the step is dropped: `reduce` handles it
+        raise ProtocolError(phase, f"{type(e).__name__}: {e}") from e
 
 
 class TrainingState:

@@ -40,16 +40,6 @@ def test_below_min_replicas_stops_with_checkpoint(elastic_run):
     _no_orphans(run)
 
 
-def test_bug_in_user_code_stops_without_respawn(elastic_run):
-    run = elastic_run()
-    run.start("--replicas", "2", "--fault", "raise:step=3", script_args=("--out", str(run.out)))
-    assert run.wait(timeout=120) == 1
-    assert "InjectedFault: injected fault raise at step 3" in run.output
-    assert "replica traceback" in run.output
-    assert len(run.events("spawn")) == 2
-    _no_orphans(run)
-
-
 def test_crash_loop_of_replacements_gives_up(elastic_run):
     run = elastic_run()
     run.start("--replicas", "2", "--min-replicas", "1", "--fault", "sigkill:replica=1:step=3",

@@ -14,7 +14,7 @@ from simulated import Fleet, wait_for
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.controller import ElasticController
-from monarch_plugin.errors import ElasticRunAborted
+from monarch_plugin.errors import ElasticRunAborted, ReplicaCodeError
 from monarch_plugin.events import read_events
 from monarch_plugin.target import Target
 
@@ -128,3 +128,113 @@ def test_a_replacement_never_ready_is_treated_as_hung_and_replaced_after_join_ti
     assert (hang["replica"], hang["detected_by"]) == (2, "hang (never ready)") and "`join_timeout_s`" in hang["why"]
     deaths = run.events("death")
     assert [d["replica"] for d in deaths] == [1, 2] and deaths[1]["detected_by"] == "hang (never ready)"
+
+
+def test_an_exception_in_one_replica_replaces_it_as_a_death_does(tmp_path):
+    """Its proc still answers: the raise it reports is what takes it out, its steps are dropped, a replacement
+    regrows the run, and an exception at another step in another replica is that replica's failure too."""
+    run = _Run(tmp_path, replicas=3)
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        run.fleet.raise_in(1, step=5)
+        run.quorum([0, 2])
+        run.quorum([0, 2, 3])
+        run.fleet.raise_in(2, step=9)  # the same type, another step: no repetition
+        run.quorum([0, 3])
+        run.quorum([0, 3, 4])
+
+    result = run.run(drive)
+    deaths = run.events("death")
+    assert [(d["replica"], d["detected_by"]) for d in deaths] == [
+        (1, "raised RuntimeError at step 5"), (2, "raised RuntimeError at step 9")]
+    assert not run.events("give_up") and sorted(result.values) == [0, 3, 4]
+
+
+def test_the_runtimes_own_failure_in_a_worker_is_never_taken_for_the_training_codes(tmp_path):
+    """Two replicas whose join timed out at the same step (a store that stopped answering, say) are two replicas to
+    replace: the same exception at the same step stops the run only when the training code raised it."""
+    run = _Run(tmp_path, replicas=3)
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        run.fleet.raise_in(1, step=5, kind="monarch_plugin.handshake.ProtocolError", runtime="join")
+        run.quorum([0, 2])
+        run.fleet.raise_in(2, step=5, kind="monarch_plugin.handshake.ProtocolError", runtime="join")
+        run.wait("both replacements", lambda: len([s for s in run.events("spawn") if not s["initial"]]) == 2)
+
+    run.run(drive)
+    assert [d["detected_by"] for d in run.events("death")] == ["its monarch-plugin join failed at step 5"] * 2
+    assert not run.events("give_up")
+
+
+def test_the_same_exception_at_the_same_step_in_a_second_replica_stops_the_run_with_both_tracebacks(tmp_path):
+    run = _Run(tmp_path, replicas=3)
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        run.fleet.raise_in(1, step=5, kind="builtins.ValueError")
+        run.quorum([0, 2])
+        run.fleet.raise_in(2, step=5, kind="builtins.ValueError")  # redoing the step on its new share
+        run.wait("the give-up", lambda: run.events("give_up"))
+
+    with pytest.raises(ReplicaCodeError, match="raised at step 5 in replica 1 and again in replica 2") as stopped:
+        run.run(drive)
+    assert "simulated in 1" in str(stopped.value) and "simulated in 2" in str(stopped.value)
+    give_up = run.quorum([0])  # the one left in training holds the run's state: it writes the checkpoint
+    assert give_up["action"] == "checkpoint" and run.events("give_up")[0]["reason"].startswith("the training code")
+
+
+def test_a_replica_setting_up_raises_before_the_first_generation_stops_the_run_at_once(tmp_path):
+    run = _Run(tmp_path, never_ready=(0, 1), replicas=2)
+
+    def drive(run):
+        run.wait("the spawns", lambda: len(run.events("spawn")) == 2)
+        run.fleet.raise_in(1, step=-1)
+        run.wait("the stop", lambda: run.events("user_error"))
+
+    with pytest.raises(ReplicaCodeError, match="while setting up, before the run's first step"):
+        run.run(drive)
+    assert not run.events("respawn_scheduled") and not run.events("quorum")
+
+
+def test_out_of_memory_the_run_waits_for_replacements_instead_of_shrinking_and_stops_if_none_can_come(tmp_path):
+    """Under a constant global batch, fewer replicas would each take a larger share than the one that did not fit:
+    the survivors wait in a generation that trains nothing, until the replacement brings the run back to 3."""
+    run = _Run(tmp_path, replicas=3)
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        run.fleet.raise_in(1, step=4, kind="torch.OutOfMemoryError", oom=True)
+        run.wait("the wait", lambda: [q for q in run.events("quorum") if q["action"] == "wait"])
+        run.quorum([0, 2, 3])
+
+    run.run(drive)
+    plans = [(q["members"], q["action"]) for q in run.events("quorum")]
+    assert plans == [([0, 1, 2], "train"), ([0, 2], "wait"), ([0, 2, 3], "train")]
+
+    later = tmp_path / "no-restarts"
+    later.mkdir()
+    stopped = _Run(later, replicas=3, max_restarts=0)
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        run.fleet.raise_in(1, step=4, kind="torch.OutOfMemoryError", oom=True)
+        run.wait("the give-up", lambda: run.events("give_up"))
+
+    with pytest.raises(ElasticRunAborted, match="trains on no fewer than 3.*no replacement is coming"):
+        stopped.run(drive)
+    assert [q["action"] for q in stopped.events("quorum")] == ["train", "wait", "checkpoint"]
+
+
+def test_out_of_memory_under_a_constant_local_batch_shrinks_as_any_failure(tmp_path):
+    run = _Run(tmp_path, replicas=3, batch_policy="constant_local")
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        run.fleet.raise_in(1, step=4, kind="torch.OutOfMemoryError", oom=True)
+        run.quorum([0, 2])
+        run.quorum([0, 2, 3])
+
+    run.run(drive)
+    assert "wait" not in [q["action"] for q in run.events("quorum")]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from monarch_plugin import ConfigError, FaultSpec
 from monarch_plugin.faults import parse_faults
@@ -33,5 +34,15 @@ def test_fault_points_and_lists():
     one_proc = FaultSpec.parse("hang:replica=1:lane=1:step=5")
     assert one_proc.targets(1, initial=True, lane=1) and not one_proc.targets(1, initial=True, lane=0)
     assert parse_faults(None) == () and parse_faults("") == ()
-    with pytest.raises(ConfigError, match="unknown fault point at='somewhere'.*choose one of step, arrived"):
+    with pytest.raises(ConfigError, match="unknown fault point at='somewhere'.*choose one of step, forward"):
         parse_faults("sigkill:replica=1:step=5,sigkill:at=somewhere")
+
+
+def test_faults_mid_forward_and_backward_fire_at_their_exact_step_and_an_oom_is_torchs():
+    forward, oom = parse_faults("raise:replica=1:step=4:at=forward,oom:replica=2:step=6:at=backward")
+    assert forward.applies(1, 4, at="forward") and not forward.applies(1, 5, at="forward")
+    assert not forward.applies(1, 4) and not forward.applies(1, 4, at="backward")
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory.*injected at the backward of step 6"):
+        oom.fire()
+    with pytest.raises(ConfigError, match="needs a step"):
+        parse_faults("raise:replica=1:at=backward")

@@ -6,6 +6,7 @@ import pytest
 
 from monarch_plugin import policies
 from monarch_plugin.config import ElasticConfig
+from monarch_plugin.protocol import Raised
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,3 +67,21 @@ def test_replicas_spread_over_the_hosts_with_room_and_a_full_run_has_nowhere_to_
     assert policies.place({0: (2, {1}), 1: (2, {0})}) == (0, 0)  # a freed slot is reused
     assert policies.place({1: (2, {0, 1}), 2: (1, set())}) == (2, 0)  # host 0 lost: not offered
     assert policies.place({0: (1, {0}), 1: (1, {0})}) is None
+
+
+def test_after_an_out_of_memory_the_run_never_trains_on_fewer_replicas_under_a_constant_global_batch():
+    assert policies.oom_floor(3, ElasticConfig(replicas=3)) == 3
+    assert policies.oom_floor(3, ElasticConfig(replicas=3, batch_policy="constant_local")) == 0  # shares keep size
+    assert policies.short_of_floor(members=2, coming=1, floor=3) is None
+    stop = policies.short_of_floor(members=2, coming=0, floor=3)
+    assert "trains on no fewer than 3" in stop and "no replacement is coming" in stop
+    assert "`spares`" in stop and "constant_local" in stop
+
+
+def test_the_same_exception_at_the_same_step_in_two_replicas_is_the_codes_own():
+    raised = Raised(replica=2, lane=0, error="ValueError: bad", kind="builtins.ValueError", traceback="", step=7)
+    why = policies.same_error(0, 2, raised)
+    assert "at step 7 in replica 0 and again in replica 2" in why and "ValueError: bad" in why
+    oom = Raised(replica=2, lane=0, error="OutOfMemoryError: CUDA out of memory", kind="torch.OutOfMemoryError",
+                 traceback="", step=7, oom=True)
+    assert "both ran out of memory at step 7" in policies.same_error(0, 2, oom)

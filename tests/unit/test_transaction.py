@@ -6,10 +6,14 @@ real process deaths in tests/e2e), stood in for here by what they return.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from monarch_plugin.worker.transaction import StepTransaction, TrainingState
+from monarch_plugin.handshake import GenerationChanged, ProtocolError
+from monarch_plugin.worker.transaction import StepTransaction, TrainingState, _runtime_part
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,3 +120,35 @@ def test_a_member_catching_up_keeps_its_own_learning_rate_and_rng_a_newcomer_tak
     assert receiver.optimizer.param_groups[0]["lr"] == (0.07 if behind else 0.05)
     expected = torch.Generator().manual_seed(2 if behind else 1)
     assert torch.equal(torch.get_rng_state(), expected.get_state())
+
+
+def test_the_runtimes_own_failures_in_a_worker_are_protocol_errors_that_name_the_phase():
+    with pytest.raises(ProtocolError, match="monarch-plugin's join: DistStoreError: store gone") as e:
+        with _runtime_part("join"):
+            raise dist.DistStoreError("store gone")
+    assert e.value.phase == "join"
+    with pytest.raises(ProtocolError, match="monarch-plugin's barrier: GenerationChanged"):
+        with _runtime_part("barrier"):
+            raise GenerationChanged("superseded")
+    with pytest.raises(GenerationChanged):  # a dropped step: the reduction's own outcome, which the loop redoes
+        with _runtime_part("reduce"):
+            raise GenerationChanged("superseded")
+    with pytest.raises(ValueError):  # the training code's own exceptions pass as they are
+        with _runtime_part("join"):
+            raise ValueError("the user's")
+
+
+def test_the_state_is_held_for_a_give_up_checkpoint_from_a_step_boundary_until_the_next_commit():
+    """A proc whose training code raised writes the give-up checkpoint only from a committed step's state: not from
+    one its optimizer was stepping when it raised."""
+    tx = object.__new__(StepTransaction)
+    tx.session = types.SimpleNamespace(needs_join=lambda: False, reduce=lambda reducer, weight, metrics: metrics)
+    tx.ctx = types.SimpleNamespace(replica_id=0, events=types.SimpleNamespace(emit=lambda *a, **k: None))
+    tx.reducer, tx._weight, tx.held, tx._give_up = None, 1.0, None, lambda committed: f"step{committed}.pt"
+    assert tx.checkpoint_held() is None
+    tx.sync(4)
+    assert tx.held == 4 and tx.checkpoint_held() == "step4.pt"
+    assert tx.reduce(4, [1.0], zero_grad=lambda: None) == [1.0]
+    assert tx.held is None and tx.checkpoint_held() is None  # the optimizer steps now
+    tx.sync(5)
+    assert tx.checkpoint_held() == "step5.pt"
