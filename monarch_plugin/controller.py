@@ -867,7 +867,8 @@ class ElasticController:
                 continue
             try:
                 found = replica.control.checkpoint_held.call().get(timeout=self.config.join_timeout_s)
-            except Exception:  # noqa: BLE001 - a proc that cannot write it leaves the others to
+            except Exception as e:  # noqa: BLE001 - a proc that cannot write it leaves the others to
+                logger.warning("replica %d could not write the give-up checkpoint: %s", replica.rid, _first_line(e))
                 continue
             path = next((p for p in found.values() if p), None)
             if path:

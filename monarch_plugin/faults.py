@@ -14,9 +14,9 @@ with commas::
     raise:step=3                  raise an exception (a bug in user code; every initial replica if no replica=)
     oom:replica=1:step=3          raise torch.OutOfMemoryError, as a device that ran out of memory does
 
-`at=forward` and `at=backward` move a fault of the step into its first forward (before the model's first module
-runs) or its backward (when the gradient reaches the model's last module with parameters); `step=` is exact, as for
-a fault at the step's start:
+`at=forward` and `at=backward` move a fault of the step into its forward (when the model's first layer with
+parameters runs) or its backward (when the gradient reaches the model's last layer with parameters); `step=` is
+exact, as for a fault at the step's start:
 
     raise:replica=1:step=20:at=backward
 

@@ -83,6 +83,8 @@ class MonarchStrategy(ParallelStrategy):
         a step is being reduced is the number of the window's micro-batches Lightning counts as completed."""
         self._window_gen: Optional[int] = None
         """The generation the window's micro-batches were cut for; None before its first micro-batch."""
+        self._window_progress: Optional[dict] = None
+        """Lightning's batch progress as the window's first micro-batch started (`_progress_at_window_start`)."""
         self._step = 0
         self._validation_buffers: Optional[contextlib.AbstractContextManager] = None
         """Held while a validation runs inside a window: the last commit's buffers swapped in."""
@@ -325,6 +327,7 @@ class MonarchStrategy(ParallelStrategy):
             _hooks.set_logger_step(self.lightning_module.trainer, self._pending_logger_step)
             self._pending_logger_step = None
         self._tx.begin(self._step)
+        self._window_progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress.state_dict()
         self._window_gen = self._tx.gen
 
     @override
@@ -396,17 +399,15 @@ class MonarchStrategy(ParallelStrategy):
 
         A generation can change while a window is half run; whoever resumes from this state (a newcomer, or a
         `fit(ckpt_path=...)`) starts from the step's cursor, so its loop must start at the window's first
-        micro-batch too, or it would step after the wrong number of micro-batches.
+        micro-batch too, or it would step after the wrong number of micro-batches. So does a give-up checkpoint
+        written after training_step raised anywhere in the window, its forward or its backward.
         """
         progress = self.lightning_module.trainer.fit_loop.epoch_loop.batch_progress
-        if not self._micro:  # at a window start (or after the last step) the live progress is already right
+        if self._window_gen is None:  # between windows (or after the last step) the live progress is right
             yield
             return
         saved = progress.state_dict()
-        for tracker in (progress.total, progress.current):
-            for name in ("ready", "started", "processed", "completed"):
-                setattr(tracker, name, getattr(tracker, name) - self._micro)
-        progress.is_last_batch = False
+        progress.load_state_dict(self._window_progress)
         try:
             yield
         finally:

@@ -229,21 +229,23 @@ class StepTransaction:
         or None when the state changed mid-step or the front end writes none."""
         if self.held is None:
             return None
+        self.session.rank, self.session.world = 0, 1  # out of every generation now: the run's one writer
         path = self._give_up(self.held)
         if path is not None:
             self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=self.held, path=path)
         return path
 
     def _inject_in_passes(self, modules: list[torch.nn.Module]) -> None:
-        """Faults configured to fire mid-forward (`at=forward`: before the first module runs) or mid-backward
-        (`at=backward`: when the gradient reaches the last module that holds parameters), at the step in flight."""
-        points = {fault.at for fault in self.ctx.faults}
-        if not modules or not points & {"forward", "backward"}:
+        """Faults configured to fire mid-forward (`at=forward`: when the model's first layer with parameters runs,
+        however the training code calls it) or mid-backward (`at=backward`: when the gradient reaches its last
+        layer with parameters), at the step in flight."""
+        if not {fault.at for fault in self.ctx.faults} & {"forward", "backward"}:
             return
         fire = self.ctx.fault_point
-        modules[0].register_forward_pre_hook(lambda *_: fire("forward", self._step))
-        leaves = [m for m in modules[0].modules() if not list(m.children()) and list(m.parameters(recurse=False))]
+        leaves = [m for module in modules for m in module.modules()
+                  if not list(m.children()) and list(m.parameters(recurse=False))]
         if leaves:
+            leaves[0].register_forward_pre_hook(lambda *_: fire("forward", self._step))
             leaves[-1].register_full_backward_pre_hook(lambda *_: fire("backward", self._step))
 
     def close(self) -> None:

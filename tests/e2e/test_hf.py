@@ -210,6 +210,44 @@ def test_failure_free_run_matches_torchrun_ddp_and_a_give_up_checkpoint_resumes_
 
 
 @pytest.mark.timeout(300)
+def test_an_exception_in_one_replica_is_replaced_and_the_same_in_both_stops_with_a_checkpoint_that_resumes_exactly(
+        hf_run):
+    """Replica 1's forward raises: it is replaced, and train() returns at the exact step on identical replicas, every
+    sample once. Both replicas raising mid-backward at one step is the code's own bug: the run stops, exit 1, and the
+    one that raised last writes HF's checkpoint from the state it held (nobody was left training); train() resumed
+    from it ends bitwise where a run that never failed ends."""
+    counted = ("--replicas", "3", "--count", "--max-grad-norm", "0", "--batch", "4", "--accumulate", "2",
+               "--samples", "96", "--epochs", "2", "--step-sleep", "0.05", "--pause-at", "5")
+    common = ("--replicas", "2", "--optimizer", "hf", "--batch", "4", "--accumulate", "2", "--samples", "96",
+              "--epochs", "2", "--max-grad-norm", "0.3")
+    replaced = hf_run().start("--replicas", "3", "--fault", "raise:replica=1:step=3:at=forward", script_args=counted)
+    stopped = hf_run().start("--replicas", "2", "--fault", "raise:step=3:at=backward", script_args=common)
+    replaced.wait_for(lambda: any(3 in q["members"] for q in replaced.events("quorum")), timeout=150,
+                      what="the replacement to be ready and admitted")
+    (replaced.out / "release").touch()  # the survivors held step 5 for it
+    assert replaced.wait(timeout=200) == 0, replaced.output
+    assert stopped.wait(timeout=200) == 1, stopped.output
+
+    results = replaced.results()
+    assert set(results) == {"0", "2", "3"} and len({r["checksum"] for r in results.values()}) == 1, replaced.output
+    assert {r["global_step"] for r in results.values()} == {2 * 96 // (4 * 3 * 2)}
+    for r in results.values():
+        torch.testing.assert_close(torch.tensor(r["counts"]), torch.ones(len(r["counts"]), 96), atol=1e-4, rtol=0)
+    [death] = replaced.events("death")
+    assert (death["replica"], death["detected_by"]) == (1, "raised InjectedFault at step 3")
+
+    assert "raised at step 3 in replica" in stopped.output and "--- replica 1 traceback ---" in stopped.output
+    [give_up] = stopped.events("give_up")
+    assert give_up["checkpoint"] == str(stopped.out / "hf" / "checkpoint-3"), (give_up, stopped.output)
+    clean = hf_run().start("--replicas", "2", script_args=common)
+    resumed = hf_run().start("--replicas", "2", script_args=(*common, "--resume", give_up["checkpoint"]))
+    assert clean.wait(timeout=180) == 0, clean.output
+    assert resumed.wait(timeout=180) == 0, resumed.output
+    assert {r["global_step"] for r in resumed.results().values()} == {2 * 96 // 16}
+    _assert_close(resumed.weights("0"), clean.weights("0"), rtol=0, atol=0)
+
+
+@pytest.mark.timeout(300)
 def test_lost_controller_costs_the_steps_since_save_steps_and_train_resumes_exactly_on_fewer_replicas(hf_run):
     """monarch-run, HF's controller here, is SIGKILLed mid-epoch: its replicas end with it. `train(
     resume_from_checkpoint=...)` from the newest checkpoint on 2 replicas instead of 3, with

@@ -398,6 +398,36 @@ def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightni
     _resumed_like_one_process(resumed, single, steps=12)
 
 
+@pytest.mark.timeout(300)
+def test_an_exception_in_training_step_replaces_the_replica_and_the_same_in_both_stops_with_a_resumable_checkpoint(
+        lightning_run):
+    """Replica 1's training_step raises mid-forward: it is replaced as after a death, and fit returns at the exact
+    step with identical weights and every sample once. Both replicas raising mid-backward at one step (in a window of
+    two micro-batches) is the code's own bug: fit raises ReplicaCodeError with both tracebacks, and the checkpoint the
+    last one wrote from the state it held (nobody was left training) resumes as one process that never stopped."""
+    common = ("--devices", "2", "--epochs", "2", "--samples", "192", "--batch", "8", "--accumulate", "2")
+    replaced = lightning_run().start("--devices", "3", "--epochs", "3", "--step-sleep", "0.05",
+                                     "--fault", "raise:replica=1:step=4:at=forward")
+    stopped = lightning_run().start("--fault", "raise:step=5:at=backward", *common)
+    single = lightning_run().start("--strategy", "single", *common)
+    assert replaced.wait(timeout=200) == 0, replaced.output
+    result = replaced.result()
+    assert result["global_step"] == 3 * 240 // (8 * 3) and set(result["replica_checksums"]) == {"0", "2", "3"}
+    assert set(result["replica_checksums"].values()) == {result["checksum"]}
+    _every_sample_once_per_epoch(result)
+    [death] = replaced.events("death")
+    assert (death["replica"], death["detected_by"]) == (1, "raised InjectedFault at step 4")
+    assert [q["members"] for q in replaced.events("quorum")] == [[0, 1, 2], [0, 2], [0, 2, 3]]
+
+    assert stopped.wait(timeout=200) == 1, stopped.output
+    assert "ReplicaCodeError" in stopped.output and "raised at step 5 in replica" in stopped.output
+    assert "--- replica 0 traceback ---" in stopped.output and "--- replica 1 traceback ---" in stopped.output
+    [give_up] = stopped.events("give_up")
+    assert give_up["checkpoint"].endswith("step00000005.ckpt"), stopped.output
+    resumed = lightning_run().start("--resume", give_up["checkpoint"], *common)
+    _resumed_like_one_process(resumed, single, steps=12)
+
+
 def test_the_last_holder_dying_mid_heal_stops_fit_naming_the_newest_modelcheckpoint_file(lightning_run):
     """The only replica holding the run's state dies serving the replacement's heal: fit raises ElasticRunAborted
     in the user's process naming ModelCheckpoint's newest file, and the replacement never trained from its own

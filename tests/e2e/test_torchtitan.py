@@ -189,6 +189,52 @@ def test_too_few_replicas_stop_with_a_torchtitan_checkpoint_that_resumes_exactly
         assert not any(alive(pid) for pid in replica_pids)
 
 
+@pytest.mark.timeout(420)
+def test_an_exception_in_one_proc_replaces_its_replica_and_the_same_in_both_stops_with_a_checkpoint_that_resumes(
+        titan_run):
+    """Proc 0 of replica 1 raises mid-backward while its sibling waits in their FSDP collectives: the replica is
+    replaced whole, and the job ends with identical shards at every step's loss. Two one-proc replicas both raising
+    at step 4 is the code's own bug: the job stops, and the replica that raised last writes torchtitan's checkpoint
+    of step 3 from the state it held (nobody was left training); `--checkpoint.enable` resumes it on the same
+    batches to the same losses."""
+    deterministic = ("--debug.deterministic",)
+    replaced = titan_run().start(*deterministic, "--probe.shrunk_steps", "2",
+                                 "--monarch.fault", "raise:replica=1:lane=0:step=3:at=backward")
+    one_proc = ("--monarch.procs_per_replica", "1", "--training.global_batch_size", str(GLOBAL_BATCH),
+                "--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.no-last-save-model-only",
+                *deterministic)
+    stopped = titan_run().start(*one_proc, "--monarch.fault", "raise:step=4:at=backward")
+    assert replaced.wait(timeout=300) == 0, replaced.output
+    assert stopped.wait(timeout=200) == 1, stopped.output
+
+    assert [(d["replica"], d["detected_by"]) for d in replaced.events("death")] == [(1, "raised InjectedFault at step 3")]
+    assert [q["members"] for q in replaced.events("quorum")] == [[0, 1], [0], [0, 2]]
+    outcome = replaced.outcome()
+    assert set(outcome) == {(0, 0), (0, 1), (2, 0), (2, 1)} and {o["step"] for o in outcome.values()} == {STEPS}
+    for local in (0, 1):
+        assert outcome[0, local]["checksum"] == outcome[2, local]["checksum"]
+    final = _final_records(replaced.steps())
+    assert sorted(final) == list(range(1, STEPS + 1))
+    for step, records in final.items():
+        assert sorted(i for r in records for i in r["samples"]) == list(range((step - 1) * GLOBAL_BATCH,
+                                                                            step * GLOBAL_BATCH)), step
+
+    assert "raised at step 4 in replica" in stopped.output and "--- replica 1 traceback ---" in stopped.output
+    [give_up] = stopped.events("give_up")
+    assert give_up["checkpoint"] == str(stopped.out / "checkpoint" / "step-3"), (give_up, stopped.output)
+    resumed = titan_run().start(*one_proc, "--checkpoint.folder", str(stopped.out / "checkpoint"))
+    clean = titan_run().start(*one_proc)  # the same layout (its FSDP mesh seeds the model), never stopped
+    assert resumed.wait(timeout=200) == 0, resumed.output
+    assert clean.wait(timeout=200) == 0, clean.output
+    again, expected = _final_records(resumed.steps()), _final_records(clean.steps())
+    assert sorted(again) == list(range(4, STEPS + 1))
+    for step, records in again.items():  # the same global batches as the job that never stopped, the same losses
+        assert sorted(i for r in records for i in r["samples"]) == sorted(i for r in final[step] for i in r["samples"])
+        assert records[0]["loss"] == pytest.approx(expected[step][0]["loss"], rel=1e-5), step
+    for replica_pids in (*replaced.pids().values(), *stopped.pids().values(), *resumed.pids().values()):
+        assert not any(alive(pid) for pid in replica_pids)
+
+
 def test_the_last_holder_dying_mid_heal_stops_the_job_naming_the_newest_complete_checkpoint(titan_run):
     """Both procs of the only replica holding the run's state die serving the replacement's heal, shard by shard:
     the job stops (torchtitan's checkpoints are loaded on the next start, not mid-run), naming the newest complete

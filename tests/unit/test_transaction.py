@@ -142,7 +142,8 @@ def test_the_state_is_held_for_a_give_up_checkpoint_from_a_step_boundary_until_t
     """A proc whose training code raised writes the give-up checkpoint only from a committed step's state: not from
     one its optimizer was stepping when it raised."""
     tx = object.__new__(StepTransaction)
-    tx.session = types.SimpleNamespace(needs_join=lambda: False, reduce=lambda reducer, weight, metrics: metrics)
+    tx.session = types.SimpleNamespace(needs_join=lambda: False, reduce=lambda reducer, weight, metrics: metrics,
+                                       rank=1, world=2)
     tx.ctx = types.SimpleNamespace(replica_id=0, events=types.SimpleNamespace(emit=lambda *a, **k: None))
     tx.reducer, tx._weight, tx.held, tx._give_up = None, 1.0, None, lambda committed: f"step{committed}.pt"
     assert tx.checkpoint_held() is None
@@ -152,3 +153,4 @@ def test_the_state_is_held_for_a_give_up_checkpoint_from_a_step_boundary_until_t
     assert tx.held is None and tx.checkpoint_held() is None  # the optimizer steps now
     tx.sync(5)
     assert tx.checkpoint_held() == "step5.pt"
+    assert (tx.session.rank, tx.session.world) == (0, 1)  # out of every generation: it writes as the one writer
