@@ -60,21 +60,26 @@ def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
 
 
 def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, spares: int = 0,
-                forkserver: bool = True, min_replicas: int = 2, heal_donors: int | None = None) -> dict:
-    """`heal_donors`: `--heal-donors`; None, the runtime's default."""
+                forkserver: bool = True, min_replicas: int = 2, heal_donors: int | None = None,
+                fault: str | None = None, name: str = "") -> dict:
+    """`heal_donors`: `--heal-donors`; None, the runtime's default. `fault`: the failure is this `--fault`, fired
+    inside replica 1 (a `MODE` of `raise`, `oom`, ...: `MODE:replica=1:step=<kill_at>...`), instead of a SIGKILL
+    from here; `name` tells the run's folder apart."""
     donors = () if heal_donors is None else ("--heal-donors", str(heal_donors))
-    out = work / f"elastic-{size}-spares{spares}{'' if forkserver else '-fresh'}{''.join(donors)}"
+    injected = () if fault is None else ("--fault", fault.format(step=kill_at))
+    out = work / f"elastic-{size}-spares{spares}{'' if forkserver else '-fresh'}{''.join(donors)}{name}"
     out.mkdir(parents=True)
     events_path = out / "events.jsonl"
     proc = subprocess.Popen([str(BIN / "monarch-run"), "--replicas", str(replicas), "--min-replicas", str(min_replicas),
                              "--spares", str(spares), "--forkserver" if forkserver else "--no-forkserver",
-                             *donors,
+                             *donors, *injected,
                              "--events", str(events_path), str(WORKLOAD), "--mode", "elastic", "--size", size,
                              "--steps", str(steps), "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
     try:
-        _wait_lines(out / "steps-1.txt", kill_at, proc, timeout=1800)
-        kill(spawned(events_path)[1][0], events_path, replica=1)
+        if fault is None:
+            _wait_lines(out / "steps-1.txt", kill_at, proc, timeout=1800)
+            kill(spawned(events_path)[1][0], events_path, replica=1)
         finished(proc, 1800, "the elastic run", out)
     finally:
         reap(proc, spawned(events_path))

@@ -49,6 +49,7 @@ class Recovery:
     restored_step: int | None = None  # no replica held the run's state after it: the next generation restored
     restored_by: list[int] | None = None  # ... this checkpoint, on these replicas
     redone_steps: int | None = None  # the steps committed after that checkpoint (as recorded), trained again
+    waited: bool = False  # the survivors trained nothing until the replacement came (a WAIT generation: out of memory)
 
     @property
     def replace_started_at(self) -> float | None:
@@ -97,7 +98,10 @@ def recoveries(events: list[dict]) -> list[Recovery]:
             resumed_at=None, host=death.get("host"), was_member=death.get("was_member", True),
         )
         if shrink:
-            firsts = [e for e in events if e["event"] == "first_commit" and e["gen"] == shrink["gen"]]
+            rec.waited = shrink.get("action") == "wait"
+            # A WAIT generation trains nothing: the survivors' next commit is in the first that trains.
+            trains = next((q for q in quorums if q["ts"] >= shrink["ts"] and q.get("action") != "wait"), shrink)
+            firsts = [e for e in events if e["event"] == "first_commit" and e["gen"] == trains["gen"]]
             rec.resumed_at = min((e["ts"] for e in firsts), default=None)
             if shrink.get("action") == "restore":
                 restore = next(e for e in events if e["event"] == "restore" and e["gen"] == shrink["gen"])
@@ -154,6 +158,10 @@ def format_recovery(rec: Recovery) -> str:
                      f"the checkpoint of step {rec.restored_step}, and train again the {rec.redone_steps} step(s) "
                      f"committed after it (as far as recorded); next committed step "
                      f"{ms(p['kill_to_next_commit'])} after the {'kill' if rec.killed_at else 'detection'}")
+    elif rec.waited:
+        lines.append(f"  survivors {rec.survivors} waited for the replacement, training nothing (fewer would each "
+                     f"take a larger share of the global batch): next committed step {ms(p['kill_to_next_commit'])} "
+                     f"after the {'failure' if rec.killed_at else 'detection'}")
     elif rec.survivors:
         dropped = f"dropped step {rec.dropped_steps}" if rec.dropped_steps else "no step lost"
         lines.append(f"  survivors {rec.survivors} kept training: next committed step {ms(p['kill_to_next_commit'])} "

@@ -9,11 +9,13 @@ A schedule is drawn from one seed (printed, and named in every assertion, so a f
     death_during_recovery        SIGKILL one member, and another as soon as the first death is noticed
     last_step                    SIGKILL a member during the run's last step
     exit                         os._exit(1) inside a member at a drawn step (`--fault exit:...`)
+    raise                        an exception in a member's backward at a drawn step (`--fault raise:...:at=backward`):
+                                 its process lives on, and the replica is replaced as after a death
     donor_mid_heal               the member serving a newcomer's heal dies mid-transfer (`at=heal_donor`)
     newcomer_mid_heal            the first newcomer dies mid-transfer while being healed (`at=heal_recipient`):
                                  replica `replicas`, the hot spare if the run has one, else the first replacement
 
-The last three are configured at launch (`Chaos.faults`); the others are sent by PID from this process
+The last four are configured at launch (`Chaos.faults`); the others are sent by PID from this process
 (`Chaos.inject`). One replica, the witness (the last initial one), is never hit, so a replica that trained from
 the start counts the samples and at least one (`min_replicas` 1) stays live. A replica with a launch-time fault
 still to fire is not hit from outside either, so every fault drawn fires.
@@ -32,7 +34,7 @@ from conftest import alive as _alive
 __all__ = ["Chaos", "KINDS", "seed_from_env"]
 
 OUTSIDE = ("sigkill", "sigsegv", "sigstop", "two_at_once", "death_during_recovery", "last_step")
-AT_LAUNCH = ("exit", "donor_mid_heal", "newcomer_mid_heal")
+AT_LAUNCH = ("exit", "raise", "donor_mid_heal", "newcomer_mid_heal")
 KINDS = OUTSIDE + AT_LAUNCH
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigstop": signal.SIGSTOP}
 
@@ -46,7 +48,7 @@ def seed_from_env() -> int:
 class Failure:
     kind: str
     step: int
-    """The witness's committed step it waits for (for `exit`, the step it fires at; for `donor_mid_heal`, the step
+    """The witness's committed step it waits for (for `exit` and `raise`, the step it fires at; for `donor_mid_heal`, the step
     from which the next heal this donor serves is its last)."""
     delay: float
     """Seconds after that step was seen, so the signal lands anywhere in the next step."""
@@ -76,8 +78,11 @@ class Chaos:
         rng = random.Random(self.seed)
         kinds = rng.sample(KINDS, self.count)
         single = [k for k in _SIGNALS if k not in kinds]
-        if "exit" in kinds and "donor_mid_heal" in kinds:  # each holds back a non-witness replica: none left to hit
-            kinds[kinds.index("exit")] = single.pop(rng.randrange(len(single)))
+        if "exit" in kinds and "raise" in kinds:  # both hit replica 1: the first takes it, the second would not fire
+            kinds[kinds.index("raise")] = single.pop(rng.randrange(len(single)))
+        for held in ("exit", "raise"):
+            if held in kinds and "donor_mid_heal" in kinds:  # each holds back a non-witness replica: none left to hit
+                kinds[kinds.index(held)] = single.pop(rng.randrange(len(single)))
         if "donor_mid_heal" in kinds:
             # It fires at the next heal that replica 0 serves: right after it, a single member is hit (one
             # other than replica 0 and the witness), so that heal comes, with replica 0 as its donor.
@@ -101,7 +106,7 @@ class Chaos:
 
     def _reserved(self) -> dict[str, int]:
         """The replica each launch-time fault of the schedule hits."""
-        return {"exit": 1, "donor_mid_heal": 0, "newcomer_mid_heal": self.replicas}
+        return {"exit": 1, "raise": 1, "donor_mid_heal": 0, "newcomer_mid_heal": self.replicas}
 
     def fault_args(self) -> tuple[str, ...]:
         """`--fault ...` for the front end's launcher (nothing if no launch-time fault was drawn)."""
@@ -117,7 +122,8 @@ class Chaos:
 
     def faults(self) -> str:
         """The `--fault` setting for the schedule's launch-time failures ('' if none)."""
-        spec = {"exit": "exit:replica={r}:step={s}", "donor_mid_heal": "sigkill:replica={r}:at=heal_donor:step={s}",
+        spec = {"exit": "exit:replica={r}:step={s}", "raise": "raise:replica={r}:step={s}:at=backward",
+                "donor_mid_heal": "sigkill:replica={r}:at=heal_donor:step={s}",
                 "newcomer_mid_heal": "sigkill:replica={r}:at=heal_recipient"}
         return ",".join(spec[f.kind].format(r=self._reserved()[f.kind], s=f.step)
                         for f in self.schedule if f.kind in AT_LAUNCH)
@@ -200,5 +206,8 @@ class Chaos:
             else:
                 assert how.startswith(("pidfd", "supervision")), (i, death, str(self))
         for rid, e in fired.items():
-            assert deaths[rid]["ts"] >= e["ts"] and deaths[rid]["detected_by"].startswith(("pidfd", "supervision"))
+            how = deaths[rid]["detected_by"]
+            assert deaths[rid]["ts"] >= e["ts"], (e, deaths[rid], str(self))
+            assert how == f"raised InjectedFault at step {e['step']}" if e["mode"] == "raise" else how.startswith(
+                ("pidfd", "supervision")), (e, deaths[rid], str(self))
         assert [s["replica"] for s in run.events("spawn")].count(self.witness) == 1

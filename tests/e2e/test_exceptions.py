@@ -68,14 +68,14 @@ def test_one_proc_of_a_replica_raising_mid_forward_takes_its_whole_replica_out_w
     never return, so the proc that raised tells the controller through the store, and both procs are ended."""
     run = elastic_run()
     run.start("--replicas", "2", "--procs-per-replica", "2", "--fault", "raise:replica=1:lane=1:step=5:at=forward",
-              script=WORKLOADS / "two_procs_per_replica.py", script_args=(str(run.out), "40"))
+              script=WORKLOADS / "two_procs_per_replica.py", script_args=(str(run.out), "24"))
     assert run.wait(timeout=180) == 0, run.output
     [raised] = run.events("raised")
     assert (raised["replica"], raised["lane"], raised["step"]) == (1, 1, 5)
     assert [d["replica"] for d in run.events("death")] == [1]
     results = [json.loads(p.read_text()) for p in run.out.glob("result-*.json")]
     assert sorted((r["replica"], r["local_rank"]) for r in results) == [(0, 0), (0, 1), (2, 0), (2, 1)]
-    assert {r["checksum"] for r in results} == {results[0]["checksum"]} and {r["step"] for r in results} == {40}
+    assert {r["checksum"] for r in results} == {results[0]["checksum"]} and {r["step"] for r in results} == {24}
     _no_orphans(run)
 
 

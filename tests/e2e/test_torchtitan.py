@@ -197,7 +197,8 @@ def test_an_exception_in_one_proc_replaces_its_replica_and_the_same_in_both_stop
     at step 4 is the code's own bug: the job stops, and the replica that raised last writes torchtitan's checkpoint
     of step 3 from the state it held (nobody was left training); `--checkpoint.enable` resumes it on the same
     batches to the same losses."""
-    deterministic = ("--debug.deterministic",)
+    steps = 6
+    deterministic = ("--debug.deterministic", "--training.steps", str(steps))
     replaced = titan_run().start(*deterministic, "--probe.shrunk_steps", "2",
                                  "--monarch.fault", "raise:replica=1:lane=0:step=3:at=backward")
     one_proc = ("--monarch.procs_per_replica", "1", "--training.global_batch_size", str(GLOBAL_BATCH),
@@ -210,11 +211,11 @@ def test_an_exception_in_one_proc_replaces_its_replica_and_the_same_in_both_stop
     assert [(d["replica"], d["detected_by"]) for d in replaced.events("death")] == [(1, "raised InjectedFault at step 3")]
     assert [q["members"] for q in replaced.events("quorum")] == [[0, 1], [0], [0, 2]]
     outcome = replaced.outcome()
-    assert set(outcome) == {(0, 0), (0, 1), (2, 0), (2, 1)} and {o["step"] for o in outcome.values()} == {STEPS}
+    assert set(outcome) == {(0, 0), (0, 1), (2, 0), (2, 1)} and {o["step"] for o in outcome.values()} == {steps}
     for local in (0, 1):
         assert outcome[0, local]["checksum"] == outcome[2, local]["checksum"]
     final = _final_records(replaced.steps())
-    assert sorted(final) == list(range(1, STEPS + 1))
+    assert sorted(final) == list(range(1, steps + 1))
     for step, records in final.items():
         assert sorted(i for r in records for i in r["samples"]) == list(range((step - 1) * GLOBAL_BATCH,
                                                                             step * GLOBAL_BATCH)), step
@@ -227,7 +228,7 @@ def test_an_exception_in_one_proc_replaces_its_replica_and_the_same_in_both_stop
     assert resumed.wait(timeout=200) == 0, resumed.output
     assert clean.wait(timeout=200) == 0, clean.output
     again, expected = _final_records(resumed.steps()), _final_records(clean.steps())
-    assert sorted(again) == list(range(4, STEPS + 1))
+    assert sorted(again) == list(range(4, steps + 1))
     for step, records in again.items():  # the same global batches as the job that never stopped, the same losses
         assert sorted(i for r in records for i in r["samples"]) == sorted(i for r in final[step] for i in r["samples"])
         assert records[0]["loss"] == pytest.approx(expected[step][0]["loss"], rel=1e-5), step

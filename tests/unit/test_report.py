@@ -52,6 +52,26 @@ def test_recovery_report_of_a_restore_says_what_is_trained_again_never_no_step_l
     assert any("restored step 10, 4 redone" in line for line in format_summary(events))
 
 
+def test_recovery_report_of_an_out_of_memory_says_the_survivors_waited_and_times_it_to_their_next_commit():
+    from monarch_plugin.report import format_recovery, recoveries
+
+    events = [
+        {"ts": 1.0, "event": "quorum", "gen": 0, "members": [0, 1, 2], "action": "train"},
+        {"ts": 2.0, "event": "fault_injected", "replica": 1, "step": 6},
+        {"ts": 2.01, "event": "death", "replica": 1, "detected_by": "raised OutOfMemoryError at step 6", "gen": 0},
+        {"ts": 2.01, "event": "quorum", "gen": 1, "members": [0, 2], "action": "wait"},
+        {"ts": 2.3, "event": "spawn", "replica": 3, "seconds": 0.3, "pids": [9]},
+        {"ts": 2.4, "event": "quorum", "gen": 2, "members": [0, 2, 3], "action": "train"},
+        {"ts": 2.5, "event": "first_commit", "replica": 0, "gen": 2, "step": 6},
+        {"ts": 2.5, "event": "first_commit", "replica": 3, "gen": 2, "step": 6},
+    ]
+    [rec] = recoveries(events)
+    assert rec.waited and rec.survivors == [0, 2] and rec.phases()["kill_to_next_commit"] == pytest.approx(0.5)
+    text = format_recovery(rec)
+    assert text.startswith("replica 1 raised OutOfMemoryError at step 6 (noticed 10 ms after it was raised)")
+    assert "survivors [0, 2] waited for the replacement, training nothing" in text and "500 ms after" in text
+
+
 # A torchtitan run's events (`--monarch.fault sigkill:replica=0:step=3`, 2 replicas x 2 procs, `--training.steps 6`),
 # trimmed to the fields the report reads: the writer (replica 0) dies, the survivor reaches step 6 alone and the run
 # ends 5 s after replica 2 was spawned for it, before replica 2 could join a generation.
