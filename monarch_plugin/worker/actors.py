@@ -107,7 +107,7 @@ def _transaction():
 def _report(e: BaseException, stage: str) -> Raised:
     """What raised, told to the controller through the store at once: for a replica of several procs the others may
     be stuck in a collective with this one, and the actor call returns only once every proc of the mesh has."""
-    ctx, tx, flags = context._current, _transaction(), context.flags
+    ctx, tx, flags = context.current() if stage == "run" else None, _transaction(), context.flags
     oom = isinstance(e, (torch.OutOfMemoryError, MemoryError))
     raised = Raised(
         replica=int(os.environ.get("MONARCH_PLUGIN_REPLICA_ID", -1)), lane=int(os.environ.get("LOCAL_RANK", 0)),
