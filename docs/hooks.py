@@ -53,8 +53,8 @@ SCANNED = ("monarch_plugin", "integrations")
 """The product's code, relative to ROOT: what the troubleshooting list is read from."""
 
 USER_FACING = frozenset(errors.__all__) | {
-    "MisconfigurationException", "ValueError", "TypeError", "RuntimeError", "TimeoutError", "ImportError",
-    "SystemExit", "ProtocolError",
+    "MisconfigurationException", "ValueError", "TypeError", "RuntimeError", "ImportError", "SystemExit",
+    "ProtocolError",
 }
 """Exception types whose messages reach users: the product's own (`monarch_plugin.errors`), Lightning's
 configuration error, and the built-in types the product raises with a message that names the fix."""

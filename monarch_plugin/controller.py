@@ -4,8 +4,10 @@ It lives in the user's process and knows nothing about any training framework. I
 replicas (one Monarch ProcMesh each), generations (numbered plans in a TCPStore it hosts) and policies
 (min/max replicas, restarts, crash loops). Deaths reach it three ways, whichever is first: a pidfd that
 becomes readable when a local worker process exits (milliseconds), Monarch supervision (the replaced
-`unhandled_fault_hook`, ~0.5 s), and a failed call to the replica's actor. A member that reports a
-stalled reduction gets its peers' phases checked, and the one stuck outside the reduction is killed.
+`unhandled_fault_hook`, ~0.5 s), and a failed call to the replica's actor. An exception in a replica's
+training code reaches it as the report its proc writes to the store (`Raised`): that replica is replaced as a
+dead one is, unless another replica raised the same at the same step. A member that reports a stalled reduction
+gets its peers' phases checked, and the one stuck outside the reduction is killed.
 """
 
 from __future__ import annotations
@@ -138,6 +140,8 @@ class _Replica:
     kept: bool = False
     """Its training code raised while its one proc held the run's state untouched: the proc is kept until the run's
     decision is taken, in case the run stops with no replica in training left to write the give-up checkpoint."""
+    ended: bool = False
+    """Its procs were killed after its death (`ElasticController._end`)."""
 
 
 class ElasticController:
@@ -368,13 +372,15 @@ class ElasticController:
             item = self._q.get(timeout=timeout)
         except queue.Empty:
             item = None
+        # What raised, first: a proc that raised may exit soon after its report (a CUDA error's abort), and its death
+        # would otherwise be taken for one that says nothing of the training code (out of memory, a repetition).
+        self._read_raised()
         while item is not None:
             self._handle(item)
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
                 item = None
-        self._read_raised()
         for r in self.replicas.values():
             if r.state == ReplicaState.SPAWNING and r.pids and self._is_ready(r):
                 r.state = ReplicaState.WAITING
@@ -425,29 +431,33 @@ class ElasticController:
     def _on_raised(self, replica: _Replica, raised: Raised) -> None:
         """A replica's training code raised (a CUDA, NCCL or out-of-memory error, a flaky disk), or the runtime's own
         part of it failed: that replica's failure, replaced as after a death. Unless it is the code's own bug, which
-        no replacement fixes: raised by the target's load, at set-up before the run's first generation, after the
-        end of training, or the same exception at the same step as another replica raised (on other data)."""
+        no replacement fixes: raised by the target's load, by an initial replica before its first step (set-up, which
+        every replica runs alike: Lightning's sanity check and `MisconfigurationException`s), after the end of
+        training, or the same exception at the same step as another replica raised (on other data). The runtime's
+        own failures (`Raised.runtime`) are never the code's."""
         if replica.raised is not None or not replica.state.live:
             return  # one report a replica: its first proc's
         replica.raised = raised
-        where = f"at step {raised.step}" if raised.step >= 0 else "before its first step"
-        logger.warning("replica %d raised %s: %s\n--- replica %d traceback ---\n%s", replica.rid, where, raised.error,
-                       replica.rid, raised.traceback.rstrip())
-        if raised.stage == "load" or raised.finished or (raised.gen < 0 and replica.initial and self.gen < 0):
+        code = not raised.runtime
+        if raised.stage == "load" or (code and (raised.finished or (raised.step < 0 and replica.initial))):
             self._stop_on_code_error(replica, raised)
+        where = f"at step {raised.step}" if raised.step >= 0 else "before its first step"
         self._raises.append((replica.rid, raised))
         replica.kept = raised.held is not None and self.config.procs_per_replica == 1 and self._holds(replica)
-        twin = None if raised.runtime or raised.gen < 0 else next(
-            ((r, o) for r, o in self._raises[:-1] if r != replica.rid and (o.kind, o.step) == (raised.kind, raised.step)),
-            None)
+        twin = None if not code or raised.step < 0 else next(
+            ((r, o) for r, o in self._raises[:-1] if r != replica.rid and not o.runtime
+             and (o.kind, o.step) == (raised.kind, raised.step)), None)
         if twin is not None:
             replica.state = ReplicaState.STOPPED
             first, other = twin
             tracebacks = "".join(f"\n--- replica {r} traceback ---\n{o.traceback.rstrip()}"
                                  for r, o in ((first, other), (replica.rid, raised)))
             self._give_up(policies.same_error(first, replica.rid, raised), tracebacks, ReplicaCodeError)
-        if raised.oom and replica.state == ReplicaState.MEMBER:
-            self.oom_floor = max(self.oom_floor, policies.oom_floor(len(self.members), self.config))
+        logger.warning("replica %d raised %s: %s\n--- replica %d traceback ---\n%s", replica.rid, where, raised.error,
+                       replica.rid, raised.traceback.rstrip())
+        if raised.oom and replica.state == ReplicaState.MEMBER:  # sized by the generation it ran out of memory in
+            world = len(self.plans.get(raised.gen, self.members))
+            self.oom_floor = max(self.oom_floor, policies.oom_floor(world, self.config))
         how = f"its monarch-plugin {raised.runtime} failed" if raised.runtime else f"raised {raised.kind.rsplit('.')[-1]}"
         self._on_deaths([replica], f"{how} {where}")
 
@@ -465,7 +475,7 @@ class ElasticController:
         elif raised.finished:
             what = f"the training code raised in replica {replica.rid} after training ended: {raised.error}"
         else:
-            what = (f"the training code raised in replica {replica.rid} while setting up, before the run's first step "
+            what = (f"the training code raised in replica {replica.rid} before its first step, while setting up "
                     f"(every replica runs the same set-up): {raised.error}")
         raise ReplicaCodeError(f"{what}\n--- replica traceback ---\n{raised.traceback}")
 
@@ -554,6 +564,7 @@ class ElasticController:
 
     def _end(self, replica: _Replica) -> None:
         """A dead replica's procs go, and its slot with them: the rest of its group would only block its peers now."""
+        replica.ended = True
         self.hosts.kill(replica.rid)
         self.hosts.release(replica.rid)
         threading.Thread(target=self._stop_mesh, args=(replica,), daemon=True).start()
@@ -577,8 +588,8 @@ class ElasticController:
                 if not self._no_room:
                     self._no_room = True
                     self.events.emit("no_room", waiting=len(self._respawn_at),
-                                     reason="every live host is full: the run trains on fewer replicas until a "
-                                            "host joins or comes back")
+                                     reason="every live host is full: the run trains on fewer replicas (or, after "
+                                            "an out-of-memory, waits) until a host joins or comes back")
                 return  # it stays due: tried again when a host has room
             self._no_room = False
             self._respawn_at.remove(due)
@@ -846,8 +857,10 @@ class ElasticController:
                 elif isinstance(report, Died):
                     self.replicas[report.replica].state = ReplicaState.DEAD
         checkpoint = checkpoint or self._checkpoint_held()
+        # Replicas whose training code raised still answer, unless ended: even one whose sibling is stuck.
         resume_from = checkpoint or self._newest_checkpoint(
-            [r.rid for r in self.replicas.values() if (r.state.live or r.kept) and r.control is not None])
+            [r.rid for r in self.replicas.values()
+             if (r.state.live or (r.raised is not None and not r.ended)) and r.control is not None])
         self.events.emit("give_up", reason=reason, checkpoint=checkpoint, resume_from=resume_from)
         self._stop_everything()
         if checkpoint:
@@ -882,7 +895,8 @@ class ElasticController:
             return
         coming = len(self._respawn_at) + sum(r.state in (ReplicaState.SPAWNING, ReplicaState.WAITING)
                                              for r in self.replicas.values())
-        stop = policies.short_of_floor(len(self.members), coming, self.oom_floor)
+        waited = time.monotonic() - self._announced_at
+        stop = policies.short_of_floor(len(self.members), coming, self.oom_floor, waited, self.config)
         if stop:
             logger.warning("the run stops: %s", stop)
             self._give_up(stop)

@@ -11,7 +11,8 @@ with commas::
     gil:replica=2:step=7          hold Python's GIL and never let go (a C call that never returns): the process
                                   and Monarch's own runtime in it answer, its Python threads (the controller's
                                   probes included) do not
-    raise:step=3                  raise an exception (a bug in user code; every initial replica if no replica=)
+    raise:step=3                  raise an exception in the training code (every initial replica if no replica=:
+                                  the same exception at the same step in two replicas, the code's own bug)
     oom:replica=1:step=3          raise torch.OutOfMemoryError, as a device that ran out of memory does
 
 `at=forward` and `at=backward` move a fault of the step into its forward (when the model's first layer with
@@ -55,7 +56,7 @@ _IN_STEP = ("step", "forward", "backward")
 
 
 class InjectedFault(RuntimeError):
-    """Raised by a "raise" fault: stands in for a bug in the training code."""
+    """Raised by a "raise" fault: stands in for an exception in the training code (a CUDA error, a flaky disk)."""
 
 
 @dataclass(frozen=True)

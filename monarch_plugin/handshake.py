@@ -44,8 +44,8 @@ class CollectiveTimedOut(CollectiveInterrupted):
 class ProtocolError(RuntimeError):
     """The runtime's own part of a worker failed, not the training code: a bound it waited out, a store it could not
     reach, a protocol invariant broken. The controller replaces the replica, as after a death, and says which part:
-    `phase` is "join" (entering a generation), "vote" (among a replica's procs), "heal" or "barrier" (leaving
-    together at the end)."""
+    `phase` is "join" (entering a generation), "heal", "reduce" (the step's cross-replica reduction), "vote"
+    (among a replica's procs) or "barrier" (leaving together at the end)."""
 
     def __init__(self, phase: str, message: str):
         super().__init__(f"monarch-plugin's {phase}: {message}")

@@ -80,15 +80,19 @@ def oom_floor(members: int, config: ElasticConfig) -> int:
     return members if config.batch_policy == "constant_global" else 0
 
 
-def short_of_floor(members: int, coming: int, floor: int) -> str | None:
+def short_of_floor(members: int, coming: int, floor: int, waited_s: float, config: ElasticConfig) -> str | None:
     """Why the run must stop when its waiting `members` and the replicas `coming` (starting, or due to) cannot reach
-    the `oom_floor` any more: no replacement can come (`max_restarts` used, or it died)."""
-    if members + coming >= floor:
-        return None
-    return (f"{WAIT_WHY}, so it trains on no fewer than {floor}; {members} replica(s) are left and "
-            f"{'no replacement is' if not coming else f'only {coming} replacement(s) are'} coming: lower the "
-            "per-device batch, keep replacements ready (`spares`), or under ElasticLoop use `batch_policy` "
-            "constant_local, which keeps each replica's share when the run shrinks")
+    the `oom_floor`: no replacement can come (`max_restarts` used, or it died), or they waited `join_timeout_s` for
+    them (no host has room, or they never get ready): nothing waits unbounded."""
+    fixes = ("lower the per-device batch, keep replacements ready (`spares`), or under ElasticLoop use "
+             "`batch_policy` constant_local, which keeps each replica's share when the run shrinks")
+    if members + coming < floor:
+        return (f"{WAIT_WHY}, so it trains on no fewer than {floor}; {members} replica(s) are left and "
+                f"{'no replacement is' if not coming else f'only {coming} replacement(s) are'} coming: {fixes}")
+    if waited_s > config.join_timeout_s:
+        return (f"{WAIT_WHY}, so it trains on no fewer than {floor}; {members} replica(s) waited `join_timeout_s` "
+                f"{config.join_timeout_s:g} for the replacements to join: {fixes}")
+    return None
 
 
 def crash_loop(early_deaths: int, config: ElasticConfig) -> str | None:

@@ -249,8 +249,8 @@ class Raised:
     phase: str = ""
     """What the proc was doing (a `Phase`)."""
     runtime: str = ""
-    """The runtime's own part that failed (`handshake.ProtocolError`: join, vote, barrier, heal); empty when the
-    training code raised."""
+    """The runtime's own part that failed (`handshake.ProtocolError`: join, heal, reduce, vote, barrier); empty when
+    the training code raised."""
     oom: bool = False
     """It ran out of memory (`torch.OutOfMemoryError`, `MemoryError`)."""
     held: int | None = None

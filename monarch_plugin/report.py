@@ -83,7 +83,8 @@ def recoveries(events: list[dict]) -> list[Recovery]:
     quorums = [e for e in events if e["event"] == "quorum"]
     for death in (e for e in events if e["event"] == "death"):
         rid = death["replica"]
-        kills = [e for e in events if e["event"] in ("fault_injected", "kill") and e.get("replica") == rid]
+        # The failure: an injected fault, a kill the benchmarks recorded, or the training code's own exception.
+        kills = [e for e in events if e["event"] in ("fault_injected", "kill", "raised") and e.get("replica") == rid]
         before = [q for q in quorums if q["ts"] <= death["ts"]]
         members_before = before[-1]["members"] if before else []
         after = [q for q in quorums if q["ts"] >= death["ts"] and rid not in q["members"]]

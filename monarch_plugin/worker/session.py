@@ -119,10 +119,10 @@ class ReplicaSession:
         while True:
             plan = self._agreed_plan(after=tried, waiting=waiting)
             tried = plan.gen
-            if plan.action == Action.WAIT:
+            waiting = plan.action == Action.WAIT
+            if waiting:
                 # Too few replicas to train at all: hold the state, train nothing, until a plan brings replacements.
                 self.ctx.events.emit("wait", replica=self.ctx.replica_id, gen=plan.gen, reason=plan.reason)
-                waiting = True
                 continue
             failure: CollectiveInterrupted | None = None
             held = step

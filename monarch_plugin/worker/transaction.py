@@ -88,6 +88,7 @@ class StepTransaction:
         """Steps this proc had dropped for a failure and then, in a new generation, committed."""
         self.last_recovery_s: float | None = None
         """The newest of those: seconds from the drop to the commit, the pause in training as this proc lived it."""
+        self._held_rng: dict = {}
         self.held: int | None = None
         """The committed steps the front end's state holds untouched: set at each step boundary, kept through the
         attempt's forward, backward and reduction, None from a commit (the optimizer stepping) to the next boundary
@@ -118,12 +119,12 @@ class StepTransaction:
         re-read its rank and shares. A generation the controller gave up in writes the checkpoint and stops."""
         session = self.session
         if not session.needs_join():
-            self.held = committed
+            self._hold(committed)
             return False
         self.held = None  # a heal may load another state
         with _runtime_part("join"):
             session.join(committed)
-        self.held = session.provider.step
+        self._hold(session.provider.step)
         if session.action == Action.CHECKPOINT:
             path = self._give_up(committed) if self.rank == 0 else None
             if path is not None:
@@ -179,6 +180,7 @@ class StepTransaction:
                 self.sync(start)
                 if committed() > start:
                     zero_grad()
+                    self.held = None  # the front end's loop now moves what the catching-up heal left as it was
                     return None
                 metrics = attempt(redo)
             reduced = self.reduce(step, metrics, zero_grad)
@@ -230,10 +232,20 @@ class StepTransaction:
         if self.held is None:
             return None
         self.session.rank, self.session.world = 0, 1  # out of every generation now: the run's one writer
-        path = self._give_up(self.held)
+        # The attempt's forward passes moved the buffers (BatchNorm statistics) and drew from the RNG since: both go
+        # back to the step's start, as a run that never failed has them there.
+        set_rng_state(self._held_rng, self.device)
+        buffers = (self.reducer.first_attempt_buffers() if self.reducer.attempting(self._step)
+                   else contextlib.nullcontext())
+        with buffers:
+            path = self._give_up(self.held)
         if path is not None:
             self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=self.held, path=path)
         return path
+
+    def _hold(self, committed: int) -> None:
+        """At a step boundary: the state is that of `committed` steps, and these are its random generators."""
+        self.held, self._held_rng = committed, rng_state(self.device)
 
     def _inject_in_passes(self, modules: list[torch.nn.Module]) -> None:
         """Faults configured to fire mid-forward (`at=forward`: when the model's first layer with parameters runs,
@@ -254,11 +266,11 @@ class StepTransaction:
 
 @contextlib.contextmanager
 def _runtime_part(phase: str):
-    """The runtime's own waits inside a worker: a store it cannot reach, or a formation of its own that could not
-    complete, is a `ProtocolError` of that phase, never reported as the training code's."""
+    """The runtime's own part of a worker: a store it cannot reach, a backend error of its own groups, or a formation
+    of its own that could not complete, is a `ProtocolError` of that phase, never reported as the training code's."""
     try:
         yield
-    except (dist.DistStoreError, dist.DistNetworkError, CollectiveInterrupted) as e:
+    except (dist.DistError, CollectiveInterrupted) as e:
         if isinstance(e, CollectiveInterrupted) and phase == "reduce":
             raise  # the step is dropped: `reduce` handles it
         raise ProtocolError(phase, f"{type(e).__name__}: {e}") from e

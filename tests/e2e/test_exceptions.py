@@ -81,14 +81,16 @@ def test_one_proc_of_a_replica_raising_mid_forward_takes_its_whole_replica_out_w
 
 def test_the_same_exception_at_the_same_step_in_both_replicas_stops_with_a_checkpoint_that_resumes_exactly(
         elastic_run):
-    """Both raise at step 6: the first is replaced, the second raising the same there is the code's bug. No replica
-    is left training, so the one that raised last writes the give-up checkpoint from the state it held, untouched
-    since step 6 began; the run resumed from it ends exactly as a run that never failed."""
+    """Both raise in step 6's backward: the first is replaced, the second raising the same there is the code's bug. No
+    replica is left training, so the one that raised last writes the give-up checkpoint from the state it held since
+    step 6 began (its BatchNorm statistics, which the step's forward had moved, put back); the run resumed from it
+    ends exactly as a run that never failed."""
+    loop = (*LOOP, "--batchnorm")
     clean = elastic_run()
-    clean.start("--replicas", "2", script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(clean.out)))
+    clean.start("--replicas", "2", script=WORKLOADS / "logged_loop.py", script_args=(*loop, "--out", str(clean.out)))
     stopped = elastic_run()
-    stopped.start("--replicas", "2", "--fault", "raise:step=6:at=forward", script=WORKLOADS / "logged_loop.py",
-                  script_args=(*LOOP, "--out", str(stopped.out)))
+    stopped.start("--replicas", "2", "--fault", "raise:step=6:at=backward", script=WORKLOADS / "logged_loop.py",
+                  script_args=(*loop, "--out", str(stopped.out)))
     assert clean.wait(timeout=180) == 0, clean.output
     assert stopped.wait(timeout=180) == 1, stopped.output
 
@@ -103,7 +105,7 @@ def test_the_same_exception_at_the_same_step_in_both_replicas_stops_with_a_check
 
     resumed = elastic_run()
     resumed.start("--replicas", "2", "--resume", path, script=WORKLOADS / "logged_loop.py",
-                  script_args=(*LOOP, "--out", str(resumed.out)))
+                  script_args=(*loop, "--out", str(resumed.out)))
     assert resumed.wait(timeout=180) == 0, resumed.output
     assert [r["step"] for r in _steps(resumed)] == list(range(6, STEPS))
     assert _steps(resumed) == _steps(clean)[6:]

@@ -193,9 +193,24 @@ def test_a_replica_setting_up_raises_before_the_first_generation_stops_the_run_a
         run.fleet.raise_in(1, step=-1)
         run.wait("the stop", lambda: run.events("user_error"))
 
-    with pytest.raises(ReplicaCodeError, match="while setting up, before the run's first step"):
+    with pytest.raises(ReplicaCodeError, match="before its first step, while setting up"):
         run.run(drive)
     assert not run.events("respawn_scheduled") and not run.events("quorum")
+
+
+def test_an_initial_replica_raising_before_its_first_step_in_a_formed_generation_stops_the_run_too(tmp_path):
+    """Lightning joins the first generation in its set-up, before its sanity check and `on_train_start` hooks: an
+    exception there is still the set-up's, which every replica runs alike; no replica is replaced for it."""
+    run = _Run(tmp_path, replicas=2)
+
+    def drive(run):
+        run.quorum([0, 1])
+        run.fleet.raise_in(0, step=-1, kind="lightning.pytorch.utilities.exceptions.MisconfigurationException")
+        run.wait("the stop", lambda: run.events("user_error"))
+
+    with pytest.raises(ReplicaCodeError, match="replica 0 before its first step, while setting up"):
+        run.run(drive)
+    assert not run.events("respawn_scheduled") and not run.events("death")
 
 
 def test_out_of_memory_the_run_waits_for_replacements_instead_of_shrinking_and_stops_if_none_can_come(tmp_path):

@@ -72,10 +72,13 @@ def test_replicas_spread_over_the_hosts_with_room_and_a_full_run_has_nowhere_to_
 def test_after_an_out_of_memory_the_run_never_trains_on_fewer_replicas_under_a_constant_global_batch():
     assert policies.oom_floor(3, ElasticConfig(replicas=3)) == 3
     assert policies.oom_floor(3, ElasticConfig(replicas=3, batch_policy="constant_local")) == 0  # shares keep size
-    assert policies.short_of_floor(members=2, coming=1, floor=3) is None
-    stop = policies.short_of_floor(members=2, coming=0, floor=3)
+    config = ElasticConfig(replicas=3, join_timeout_s=60)
+    assert policies.short_of_floor(members=2, coming=1, floor=3, waited_s=1, config=config) is None
+    stop = policies.short_of_floor(members=2, coming=0, floor=3, waited_s=1, config=config)
     assert "trains on no fewer than 3" in stop and "no replacement is coming" in stop
     assert "`spares`" in stop and "constant_local" in stop
+    stop = policies.short_of_floor(members=2, coming=1, floor=3, waited_s=61, config=config)  # never unbounded
+    assert "waited `join_timeout_s` 60 for the replacements" in stop
 
 
 def test_the_same_exception_at_the_same_step_in_two_replicas_is_the_codes_own():

@@ -143,12 +143,17 @@ def test_the_state_is_held_for_a_give_up_checkpoint_from_a_step_boundary_until_t
     one its optimizer was stepping when it raised."""
     tx = object.__new__(StepTransaction)
     tx.session = types.SimpleNamespace(needs_join=lambda: False, reduce=lambda reducer, weight, metrics: metrics,
-                                       rank=1, world=2)
+                                       rank=1, world=2, device=torch.device("cpu"))
     tx.ctx = types.SimpleNamespace(replica_id=0, events=types.SimpleNamespace(emit=lambda *a, **k: None))
-    tx.reducer, tx._weight, tx.held, tx._give_up = None, 1.0, None, lambda committed: f"step{committed}.pt"
+    tx.reducer = types.SimpleNamespace(attempting=lambda step: False)
+    drawn = []
+    tx._weight, tx.held, tx._step = 1.0, None, 4
+    tx._give_up = lambda committed: drawn.append(torch.rand(1).item()) or f"step{committed}.pt"
     assert tx.checkpoint_held() is None
     tx.sync(4)
+    expected = torch.rand(1).item()  # the attempt draws from the RNG before it raises...
     assert tx.held == 4 and tx.checkpoint_held() == "step4.pt"
+    assert drawn == [expected]  # ...and the checkpoint holds the generator as the step began
     assert tx.reduce(4, [1.0], zero_grad=lambda: None) == [1.0]
     assert tx.held is None and tx.checkpoint_held() is None  # the optimizer steps now
     tx.sync(5)

@@ -28,10 +28,11 @@ p.add_argument("--straggler", type=int, default=None, help="this replica is slow
                "seconds more in each step before --straggle-until")
 p.add_argument("--straggle", type=float, default=0.0)
 p.add_argument("--straggle-until", type=int, default=0)
+p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d in the model, whose statistics a forward moves")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
-x, y, model = toy_problem(args.samples)
+x, y, model = toy_problem(args.samples, args.batchnorm)
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples, global_batch_size=args.batch,
