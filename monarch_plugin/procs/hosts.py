@@ -87,6 +87,7 @@ class Hosts:
         self._store = None
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._watch: threading.Thread | None = None
         self._local: PidWatch | None = None  # this machine's worker procs
         self._where: dict[int, int] = {}  # replica -> host index
         self._tried: set[str] = set()  # addresses attached, or tried
@@ -130,11 +131,18 @@ class Hosts:
                 "`monarch-plugin host --address tcp://IP:PORT` on each machine, with the address this controller "
                 "reaches it by", "hosts"
             )
-        threading.Thread(target=self._watch_hosts, name="monarch-plugin-hosts", daemon=True).start()
+        self._watch = threading.Thread(target=self._watch_hosts, name="monarch-plugin-hosts", daemon=True)
+        self._watch.start()
 
     def close(self) -> None:
-        """Stop watching, and stop the watchers: none outlives the run (a cut-off one ends by its lease)."""
+        """Stop watching, and stop the watchers: none outlives the run (a cut-off one ends by its lease).
+
+        The watch ends first, while the run's store still serves it: a thread left inside a store call when the
+        process exits is ended mid-call by the interpreter, and torch's C++ then aborts the process ("exception not
+        rethrown", seen once: exit status -6 after a finished run)."""
         self._closing.set()
+        if self._watch is not None:
+            self._watch.join(timeout=_CALL_S)
         if self._local is not None:
             self._local.close()
         stoppers = [threading.Thread(target=_stop, args=(h.watcher_procs,), daemon=True)
