@@ -29,7 +29,7 @@ import sys
 
 from monarch_plugin.config import (BACKENDS, BATCH_POLICIES, ElasticConfig, cli_flag, field_default, field_docs,
                                    spell_fields)
-from monarch_plugin.errors import ConfigError, ElasticRunAborted, MissingExtraError
+from monarch_plugin.errors import ConfigError, ElasticRunAborted, MissingExtraError, RunStopped
 
 __all__ = ["main", "build_parser", "plugin"]
 
@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2
+    except RunStopped as e:  # told to stop: the controller logged where its checkpoint is
+        return e.status
     except ElasticRunAborted as e:  # a give-up, or the training code's own bug (`ReplicaCodeError`)
         print(f"monarch-run: {_spelled(e)}", file=sys.stderr)
         return 1

@@ -103,6 +103,11 @@ class ElasticConfig:
     """A cross-replica reduction that has not finished after this long reports itself to the controller,
     which finds and replaces the replica that stopped making progress (a hang)."""
 
+    drain_grace_s: float = 25.0
+    """How long a replica told to go (SIGTERM or SIGUSR1 to one of its procs: a preemption) may take to reach the step
+    boundary where it leaves; past it, it is treated as dead (its step dropped). Under SLURM keep it below the
+    cluster's `KillWait` (30 s by default), after which SLURM sends SIGKILL."""
+
     hosts: list[str] = field(default_factory=list)
     """Monarch host agents to run the replicas on, one per machine, as ``tcp://IP:PORT`` (start one with
     ``monarch-plugin host --address tcp://IP:PORT``). Empty: every replica runs on this machine, no agent needed.
@@ -237,7 +242,7 @@ class ElasticConfig:
         for name in ("restart_backoff_s", "checkpoint_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be 0 or more seconds, got {getattr(self, name)}", name)
-        for name in ("join_timeout_s", "collective_timeout_s"):
+        for name in ("join_timeout_s", "collective_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"`{name}` must be a positive number of seconds, got {getattr(self, name)}", name)
         if self.host_timeout_s < 3:

@@ -16,10 +16,12 @@ import datetime
 import logging
 import os
 import queue
+import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Callable, NoReturn
 
 import torch.distributed as dist
@@ -27,14 +29,16 @@ import torch.distributed as dist
 from monarch_plugin import policies
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError
+from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError, RunStopped
 from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
 from monarch_plugin.procs.hosts import Hosts
+from monarch_plugin.procs.notice import NOTICE_SIGNALS
 from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
     Action,
     Died,
+    Drain,
     HostLost,
     HostUp,
     Key,
@@ -60,6 +64,9 @@ __all__ = ["ElasticController", "RunResult"]
 logger = logging.getLogger("monarch_plugin")
 
 _STALL_GRACE_S = 0.5
+_DRAIN_SETTLE_S = 0.25
+"""How long the controller gathers the first notices of a drain before it decides: a scheduler signals a whole job
+within milliseconds, and every replica told to go at once means a stop with a checkpoint, not a drain each."""
 _PROBE_TIMEOUT_S = 5.0
 """How long a probed control actor may take to say what its proc is doing; a frozen (SIGSTOPped) proc never does."""
 
@@ -142,6 +149,11 @@ class _Replica:
     decision is taken, in case the run stops with no replica in training left to write the give-up checkpoint."""
     ended: bool = False
     """Its procs were killed after its death (`ElasticController._end`)."""
+    leaving: Drain | None = None
+    """A proc of it received a signal with notice (its first report): it drains at the next step boundary."""
+    leaving_at: float = 0.0
+    drain_gen: int = -1
+    """The generation published without it (`ReplicaState.DRAINING`)."""
 
 
 class ElasticController:
@@ -189,6 +201,8 @@ class ElasticController:
         """What the current generation's members do."""
         self._raises: list[tuple[int, Raised]] = []  # (replica, report) of every training code that raised
         self._raised_read = 0  # `Key.RAISED` lines handled
+        self._drains_read = 0  # `Key.DRAINS` lines handled
+        self._told_to_stop: str | None = None  # the signal with notice this process received (its name)
         self.oom_floor = 0
         """The fewest replicas the run may train on since one ran out of memory (`policies.oom_floor`); 0: no floor."""
 
@@ -198,6 +212,10 @@ class ElasticController:
         t0 = time.time()
         faults = _FaultRouter.installed()
         faults.active = self
+        # A signal with notice to this process (a preemption, `scancel`, `kill`) stops the run with a checkpoint.
+        # Python sets handlers only from the main thread, where the controller runs under every front end.
+        previous = ({sig: signal.signal(sig, self._on_signal) for sig in NOTICE_SIGNALS}
+                    if threading.current_thread() is threading.main_thread() else {})
         try:
             self.store = _store_on(self.config.store_host, self.config.join_timeout_s)
             self.store.set(Key.LATEST, "-1")
@@ -231,6 +249,8 @@ class ElasticController:
         finally:
             self._shutdown()
             faults.active = None
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     # -- spawning ------------------------------------------------------------------------------------------
 
@@ -318,6 +338,7 @@ class ElasticController:
             self._drain(timeout=0.02)
             if self._closing.is_set():
                 return
+            self._check_told()
             ready = [r.rid for r in self.replicas.values() if r.state == ReplicaState.WAITING and r.initial]
             # A target that never joins a generation (Lightning's test stage, a plain script) may return
             # before it would have been ready: it started all the same.
@@ -344,7 +365,9 @@ class ElasticController:
             self._drain(timeout=0.02)
             if self._closing.is_set():
                 return
+            self._check_told()
             self._respawn_due()
+            self._check_drains()
             self._admit_ready()
             self._check_starting()
             self._check_stalled()
@@ -375,6 +398,7 @@ class ElasticController:
         # What raised, first: a proc that raised may exit soon after its report (a CUDA error's abort), and its death
         # would otherwise be taken for one that says nothing of the training code (out of memory, a repetition).
         self._read_raised()
+        self._read_drains()
         while item is not None:
             self._handle(item)
             try:
@@ -414,6 +438,11 @@ class ElasticController:
             if self.finished_gen is None:
                 self.finished_gen = outcomes[0].gen
             self.events.emit("finished", replica=replica.rid, gen=outcomes[0].gen)
+        elif replica.state == ReplicaState.DRAINING:
+            replica.state = ReplicaState.STOPPED
+            self.events.emit("drained", replica=replica.rid, gen=replica.drain_gen,
+                             seconds=round(time.monotonic() - replica.leaving_at, 3))
+            self._end(replica)
         elif replica.state != ReplicaState.DEAD:
             replica.state = ReplicaState.STOPPED
 
@@ -479,6 +508,89 @@ class ElasticController:
                     f"(every replica runs the same set-up): {raised.error}")
         raise ReplicaCodeError(f"{what}\n--- replica traceback ---\n{raised.traceback}")
 
+    # -- signals with notice --------------------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame) -> None:
+        """SIGTERM or SIGUSR1 to this process, on its main thread: acted on by the supervision loop (`_check_told`)."""
+        self._told_to_stop = self._told_to_stop or signal.Signals(signum).name
+
+    def _check_told(self) -> None:
+        """This process was told to stop: the run stops with a checkpoint of its last committed step (the step in
+        flight is dropped), whatever the replicas are doing, and `RunStopped` says how to resume."""
+        if self._told_to_stop is None or self._closing.is_set():
+            return
+        name = self._told_to_stop
+        logger.warning("%s received: the run stops with a checkpoint of its last committed step", name)
+        self._give_up(f"{name} received", error=partial(RunStopped, signal=name))
+
+    def _read_drains(self) -> None:
+        """The signals with notice the replicas' procs received (`procs.notice` tells them through the store)."""
+        if self.store is None or self.store.add(Key.DRAIN_COUNT, 0) <= self._drains_read:
+            return
+        reports = Drain.parse(self.store.get(Key.DRAINS))
+        for drain in reports[self._drains_read:]:
+            if drain.replica in self.replicas:
+                self._on_drain(self.replicas[drain.replica], drain)
+        self._drains_read = len(reports)
+
+    def _on_drain(self, replica: _Replica, drain: Drain) -> None:
+        """A proc of the replica was told to go: its replacement starts now, and the replica leaves at a step boundary
+        (`_check_drains`)."""
+        if replica.leaving is not None or not replica.state.live or self._closing.is_set():
+            return
+        replica.leaving, replica.leaving_at = drain, time.monotonic()
+        self.events.emit("notice", replica=replica.rid, signal=drain.signal, pid=drain.pid, lane=drain.lane,
+                         state=replica.state.value)
+        logger.warning("replica %d got %s (proc %d): it leaves at the next step boundary", replica.rid, drain.signal,
+                       drain.pid)
+        self._schedule_respawn(restart=False)
+
+    def _check_drains(self) -> None:
+        """Replicas told to go leave at the next step boundary, in one generation change for all told at once: the
+        generation without them is published as a grow is (no step dropped: every member commits the step in flight,
+        agreeing inside it to move), once the current one has formed. One not yet a member just goes. Past
+        `drain_grace_s` a replica still there is treated as dead. Every replica told to go, or fewer than
+        `min_replicas` left, stops the run with a checkpoint instead (`policies.drain_stop`)."""
+        if self._closing.is_set():
+            return
+        now = time.monotonic()
+        told = [r for r in self.replicas.values() if r.leaving is not None and r.state.live]
+        late = [r for r in told if now - r.leaving_at > self.config.drain_grace_s]
+        if late:
+            for r in late:
+                self.hosts.kill(r.rid)
+            self._on_deaths(late, f"no step boundary within `drain_grace_s` {self.config.drain_grace_s:g} after "
+                                  f"{late[0].leaving.signal}")
+            return
+        for r in told:
+            if r.state in (ReplicaState.SPAWNING, ReplicaState.WAITING):  # it trained nothing: it just goes
+                r.state = ReplicaState.STOPPED
+                self.events.emit("drained", replica=r.rid, gen=-1, seconds=round(now - r.leaving_at, 3))
+                self._end(r)
+        pending = [r for r in told if r.state == ReplicaState.MEMBER]
+        if not pending or now - min(r.leaving_at for r in pending) < _DRAIN_SETTLE_S:
+            return
+        leaving = [r.rid for r in pending]
+        staying = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER and m not in leaving]
+        name = pending[0].leaving.signal
+        stop = policies.drain_stop(len(staying), leaving, name, self.config)
+        if stop:
+            logger.warning("the run stops: %s", stop)
+            self._give_up(stop, error=partial(RunStopped, signal=name))
+        if not self._formed(self.gen):
+            return  # members leaving a half-formed generation would strand their peers in it: at its first boundary
+        who = f"replica {leaving[0]}" if len(leaving) == 1 else f"replicas {leaving}"
+        reason = f"{who} drained ({name})"
+        if self.action == Action.WAIT:  # nobody trains: nothing in flight to finish
+            self._replan(staying, reason, reason)
+        else:
+            self._announce(staying, reason=reason, interrupt=False)
+        for r in pending:
+            r.state, r.drain_gen = ReplicaState.DRAINING, self.gen
+        self.events.emit("drain", replicas=leaving, gen=self.gen, members=staying, signal=name)
+        logger.warning("%s leave(s) at the next step boundary (%s): training goes on with replicas %s", who, name,
+                       staying)
+
     def _on_death(self, replica: _Replica, how: str, why: str = "") -> None:
         self._on_deaths([replica], how, why)
 
@@ -511,7 +623,10 @@ class ElasticController:
         spawning = len(self._respawn_at)
         lost_members = []
         for replica in dead:
-            was_member = replica.state == ReplicaState.MEMBER
+            # One draining was a member while the generation without it has not formed: its peers may be in a step
+            # with it.
+            was_member = replica.state == ReplicaState.MEMBER or (
+                replica.state == ReplicaState.DRAINING and not self._formed(replica.drain_gen))
             replica.state = ReplicaState.DEAD
             self._last_death = how
             self.deaths += 1
@@ -569,8 +684,9 @@ class ElasticController:
         self.hosts.release(replica.rid)
         threading.Thread(target=self._stop_mesh, args=(replica,), daemon=True).start()
 
-    def _schedule_respawn(self) -> None:
-        live = sum(r.state.live for r in self.replicas.values())
+    def _schedule_respawn(self, restart: bool = True) -> None:
+        """`restart`: it replaces a failed replica (counted against `max_restarts`), not a drained one."""
+        live = sum(r.state.live and r.leaving is None for r in self.replicas.values())
         if not policies.respawn_wanted(live, len(self._respawn_at), self.wanted, self.config):
             return
         why = policies.respawn_refused(self.restarts, sum(r for _, r in self._respawn_at), self.config)
@@ -578,7 +694,7 @@ class ElasticController:
             self.events.emit("no_respawn", reason=why)
             return
         delay = policies.respawn_delay(self.early_deaths, self.config)
-        self._respawn_at.append((time.monotonic() + delay, True))
+        self._respawn_at.append((time.monotonic() + delay, restart))
         self.events.emit("respawn_scheduled", delay=delay, restarts=self.restarts, early_deaths=self.early_deaths)
 
     def _respawn_due(self) -> None:
@@ -828,7 +944,8 @@ class ElasticController:
         return (f", and no live replica holds the run's trained state any more: replicas {members} restore "
                 f"{checkpoint} and train again what the run trained after its step {step_of(checkpoint)}")
 
-    def _give_up(self, reason: str, detail: str = "", error: type[ElasticRunAborted] = ElasticRunAborted) -> NoReturn:
+    def _give_up(self, reason: str, detail: str = "",
+                 error: Callable[[str, str | None], ElasticRunAborted] = ElasticRunAborted) -> NoReturn:
         """Stop the run on purpose: the live members that hold the run's state write one durable checkpoint, then
         everything stops; with none in training, a replica whose training code raised writes it from the state it
         held untouched (`_Replica.kept`). With none holding it, nothing is written (a replica's own weights would be
@@ -870,7 +987,13 @@ class ElasticController:
                      "checkpoint")
         else:
             where = "no live replica held the run's trained state to write, and no checkpoint of it was found"
-        raise error(f"monarch-plugin stopped the run: {reason}; {where}{detail}", resume_from)
+        stopped = error(f"monarch-plugin stopped the run: {reason}; {where}{detail}", resume_from)
+        if isinstance(stopped, RunStopped):  # a `SystemExit`: uncaught, it ends the process without a word
+            if resume_from:
+                stopped.args = (f"{stopped}; relaunch with your front end's resume option to go on from it "
+                                "(docs/runtime.md, \"Stopping a run\")",)
+            logger.warning("%s", stopped)
+        raise stopped
 
     def _checkpoint_held(self) -> str | None:
         """The give-up checkpoint when no replica in training wrote one: from a replica whose training code raised

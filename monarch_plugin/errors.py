@@ -7,7 +7,7 @@ and from a bug in the training code (re-raised with the worker's traceback).
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "MissingExtraError", "ReplicaCodeError"]
+__all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "MissingExtraError", "ReplicaCodeError", "RunStopped"]
 
 
 class ConfigError(ValueError):
@@ -47,3 +47,18 @@ class ReplicaCodeError(ElasticRunAborted):
     the same step in two replicas (the run stops with its give-up checkpoint, ``checkpoint``), raised while setting
     up or after training ended, or could not be loaded in a replica (a module the replica cannot import). The message
     carries the replicas' tracebacks. (An exception in one replica alone is that replica's failure: it is replaced.)"""
+
+
+class RunStopped(ElasticRunAborted, SystemExit):
+    """The run was told to stop (SIGTERM or SIGUSR1 to the controller's process, or to every replica at once: a
+    scheduler's preemption or time limit) and stopped with a checkpoint of its last committed step, ``checkpoint``,
+    to resume from. A `SystemExit` too, as Lightning's `SIGTERMException` is: uncaught, the process exits with
+    ``status``, 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1), as a shell reports a process the signal
+    ended, and the message was logged before."""
+
+    def __init__(self, message: str, checkpoint: str | None = None, signal: str = "SIGTERM"):
+        super().__init__(message, checkpoint)
+        import signal as signals
+
+        self.signal = signal
+        self.status = self.code = 128 + int(signals.Signals[signal])

@@ -43,6 +43,19 @@ def below_min(trainable: int, config: ElasticConfig) -> str | None:
             "`min_replicas` to keep training on fewer)")
 
 
+def drain_stop(staying: int, leaving: list[int], signal: str, config: ElasticConfig) -> str | None:
+    """Why the run stops instead of draining the replicas told to go (`leaving`, by `signal`): none would stay (a
+    scheduler preempting the whole job), or fewer than `min_replicas`. A drain never takes the run below its minimum:
+    it stops with a checkpoint, which a relaunch resumes."""
+    who = f"replica {leaving[0]}" if len(leaving) == 1 else f"replicas {leaving}"
+    if staying == 0:
+        return f"{signal} to every replica ({who}): the job is being stopped"
+    if staying < config.min_replicas:
+        return (f"{signal} to {who} would leave {staying} replica(s), below `min_replicas` {config.min_replicas}: "
+                "the run stops with a checkpoint instead of draining (lower `min_replicas` to train on fewer)")
+    return None
+
+
 def state_lost(checkpoint: str | None) -> str | None:
     """Why the run must stop when no live replica holds its trained state any more (the last that did died before
     another had healed from it): no checkpoint of this run's own (`checkpoint_steps`) to restore mid-run. Training

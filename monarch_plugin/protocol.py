@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "Action",
+    "Drain",
     "Key",
     "Outcome",
     "Phase",
@@ -68,6 +69,9 @@ class ReplicaState(str, enum.Enum):
     WAITING = "waiting"
     """Started and ready (every proc counted itself in `Key.ready`): a newcomer or hot spare not yet admitted."""
     MEMBER = "member"
+    DRAINING = "draining"
+    """Told to go (a signal with notice to one of its procs, `Drain`) and left out of the newest generation: it trains
+    with the others up to the step boundary where that generation starts, then returns."""
     FINISHED = "finished"
     DEAD = "dead"
     STOPPED = "stopped"
@@ -76,7 +80,7 @@ class ReplicaState(str, enum.Enum):
     @property
     def live(self) -> bool:
         """Its procs run (or are starting): it holds a GPU slot, and a shutdown must stop it."""
-        return self in (ReplicaState.SPAWNING, ReplicaState.WAITING, ReplicaState.MEMBER)
+        return self in (ReplicaState.SPAWNING, ReplicaState.WAITING, ReplicaState.MEMBER, ReplicaState.DRAINING)
 
 
 @dataclass(frozen=True)
@@ -172,6 +176,12 @@ class Key:
     RAISED_COUNT = "raised/count"
     """Counter: `Raised` lines appended so far, counted after each is in place: what the controller polls."""
 
+    DRAINS = "drains"
+    """Every `Drain` report of the run, a line each (appended: `Drain.line`, read back by `Drain.parse`)."""
+
+    DRAIN_COUNT = "drains/count"
+    """Counter: `Drain` lines appended so far, counted after each is in place: what the controller polls."""
+
     @staticmethod
     def host_beat(host: int) -> str:
         """Counter: beats of the host's watcher; the controller declares a host lost when it stops moving."""
@@ -263,6 +273,28 @@ class Raised:
     @classmethod
     def parse(cls, raw: str | bytes) -> list["Raised"]:
         """Every report in a `Key.RAISED` value, in the order they were appended."""
+        return [cls(**json.loads(line)) for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines()
+                if line.strip()]
+
+
+@dataclass(frozen=True)
+class Drain:
+    """A worker proc received a signal with notice (SIGTERM, SIGUSR1: a scheduler's preemption, `scancel`, a node being
+    drained), told to the controller through the store (`Key.DRAINS`) by the proc's notice thread
+    (`procs.notice`): its replica leaves at the next step boundary, or the run stops with a checkpoint."""
+
+    replica: int
+    lane: int
+    signal: str
+    """The signal's name (`SIGTERM`)."""
+    pid: int
+
+    def line(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def parse(cls, raw: str | bytes) -> list["Drain"]:
+        """Every report in a `Key.DRAINS` value, in the order they were appended."""
         return [cls(**json.loads(line)) for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines()
                 if line.strip()]
 

@@ -16,7 +16,7 @@ from torchtitan.tools.logging import logger
 
 from monarch_plugin.config import spell_fields
 from monarch_plugin.controller import ElasticController, RunResult
-from monarch_plugin.errors import ElasticRunAborted
+from monarch_plugin.errors import ElasticRunAborted, RunStopped
 from monarch_plugin.integrations.torchtitan.config import elastic_config, flag
 from monarch_plugin.report import run_summary
 from monarch_plugin.target import Target
@@ -48,6 +48,8 @@ class ElasticLauncher:
                     f"{settings.min_replicas}, max {settings.max_replicas}); events in {settings.events_path}")
         try:
             self.result = ElasticController(settings, this_command()).run()
+        except RunStopped:
+            raise  # told to stop: it exits with its status, its checkpoint's path logged
         except ElasticRunAborted as e:
             raise SystemExit(f"monarch: {spell_fields(str(e), flag)}") from e
         for line in run_summary(self.result):

@@ -11,7 +11,8 @@ child. The bootstrap command becomes `python -m monarch_plugin.procs.forkserver 
 imports nothing heavy (~30 ms): it sends its environment (Monarch's per-proc bootstrap settings in it), working
 directory and inherited descriptors (stdout and stderr are Monarch's log pipes) over a Unix socket, and the
 server forks a child that takes them over and runs Monarch's bootstrap (`monarch._src.actor.bootstrap_main`),
-so the child is the proc. The client stays as its stand-in: it forwards SIGTERM and SIGINT to the child and ends
+so the child is the proc. The client stays as its stand-in: it forwards SIGTERM, SIGUSR1 and SIGINT to the child
+(which drains on the first two, `notice`) and ends
 with the child's exit status or signal, which is what Monarch's supervision sees.
 
 Rules it keeps:
@@ -42,6 +43,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from monarch_plugin.procs import notice
 
 __all__ = ["ALWAYS", "ForkServer", "PRELOADABLE", "client_main", "for_run", "preload_for"]
 
@@ -170,14 +173,10 @@ class ForkServer:
             return self._ready
 
     def stop(self) -> None:
-        """Stop the server (after the replicas: its children die with it)."""
+        """Stop the server (after the replicas: its children die with it). SIGKILL: it ignores SIGTERM."""
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            self._proc.kill()
+            self._proc.wait()
         for path in (self.socket_path, self._dir):
             try:
                 os.rmdir(path) if path == self._dir else os.unlink(path)
@@ -215,7 +214,8 @@ def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
     wake_w.setblocking(False)
     signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    for sig in notice.NOTICE_SIGNALS:  # a scheduler signals the whole job: the procs drain, and must not die with the server
+        signal.signal(sig, lambda *_: None)
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -254,7 +254,7 @@ def _fork_one(conn: socket.socket, own: list[socket.socket], parent: int, select
     if pid == 0:
         try:
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGCHLD, signal.SIGTERM):
+            for sig in (signal.SIGCHLD, *notice.NOTICE_SIGNALS):
                 signal.signal(sig, signal.SIG_DFL)
             selector.close()
             os.close(parent)
@@ -334,6 +334,7 @@ def _become_proc(request: dict, fds: list[int], conn: socket.socket) -> int:
         sys.modules["torch"].seed()
     import runpy
 
+    notice.install()  # on this, the proc's main thread, before Monarch's bootstrap takes it
     runpy.run_module(_BOOTSTRAP, run_name="__main__", alter_sys=True)
     return 0
 
@@ -383,7 +384,7 @@ def client_main(path: str) -> int:
         except ProcessLookupError:
             pass
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (*notice.NOTICE_SIGNALS, signal.SIGINT):
         signal.signal(sig, forward)
     last = conn.recv(4096)
     if not last:  # the server went, and took the child with it (PR_SET_PDEATHSIG)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from monarch_plugin.procs import forkserver
+from monarch_plugin.procs import forkserver, notice
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
 from monarch_plugin.procs.devices import GpuPlan, plan_gpus
@@ -195,13 +195,14 @@ class Hosts:
 
             return this_host().spawn_procs(per_host={"procs": procs}, name=name,
                                            bootstrap_command=self._bootstrap_command())
-        return host.mesh.spawn_procs(per_host={"procs": procs}, name=name)
+        return host.mesh.spawn_procs(per_host={"procs": procs}, name=name, bootstrap_command=notice.bootstrap_command())
 
     def _bootstrap_command(self):
         """How this machine's procs start: through the forkserver once it is ready (the first spawn of a run waits
-        for its imports, and says in an event how long), else as Monarch starts them (None)."""
+        for its imports, and says in an event how long), else as fresh interpreters; either way catching the signals
+        with notice (`notice`)."""
         if self._forkserver is None:
-            return None
+            return notice.bootstrap_command()
         t0 = time.time()
         command = self._forkserver.bootstrap_command()
         with self._lock:
@@ -210,7 +211,7 @@ class Hosts:
                 self.events.emit("forkserver", pid=self._forkserver.pid, preload=self._forkserver.preload,
                                  ready=command is not None, waited_s=round(time.time() - t0, 3),
                                  **({} if command is not None else {"unused": self._forkserver.unused}))
-        return command
+        return command or notice.bootstrap_command()
 
     # -- deaths ---------------------------------------------------------------------------------------------
 

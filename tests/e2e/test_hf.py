@@ -458,3 +458,27 @@ def test_a_stream_pass_trains_whole_steps_and_a_stream_that_differs_between_repl
     newcomer = ElasticStream(_stream_of("shuffled", 50, seed=None), 4, 2)
     with pytest.raises(RuntimeError, match=r"seed its shuffling"):
         newcomer.load_state_dict(donor.state_dict())
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_drains_a_replica_and_sigterm_to_monarch_run_stops_with_an_hf_checkpoint_that_resumes_exactly(hf_run):
+    """SIGTERM to replica 1's proc: it leaves at the next step boundary (no step dropped, no death) and a replacement
+    joins. SIGTERM to monarch-run, HF's controller here: status 143 after the main replica wrote HF's checkpoint of
+    the last committed step; train(resume_from_checkpoint=...) ends where a run never stopped ends."""
+    common = ("--optimizer", "hf", "--batch", "4", "--accumulate", "2", "--samples", "96", "--epochs", "3")
+    run = hf_run().start("--replicas", "3", script_args=(*common, "--step-sleep", "0.2"))
+    clean = hf_run().start("--replicas", "3", script_args=common)
+    run.wait_for(lambda: run.progress(0) >= 2, timeout=150, what="step 2")
+    os.kill(run.pids()[1][0], signal.SIGTERM)
+    run.wait_for(lambda: any(3 in q["members"] for q in run.events("quorum")), timeout=150,
+                 what="the replacement to join")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(timeout=150) == 143, run.output
+    assert [d["replica"] for d in run.events("drained")] == [1] and not run.events("death")
+    [give_up] = run.events("give_up")
+    assert give_up["checkpoint"] and "/hf/checkpoint-" in give_up["checkpoint"], run.output
+    resumed = hf_run().start("--replicas", "3", script_args=(*common, "--resume", give_up["checkpoint"]))
+    assert clean.wait(timeout=180) == 0, clean.output
+    assert resumed.wait(timeout=180) == 0, resumed.output
+    assert {r["global_step"] for r in resumed.results().values()} == {3 * 96 // 24}
+    _assert_close(resumed.weights("0"), clean.weights("0"), rtol=1e-5, atol=1e-6)

@@ -564,3 +564,30 @@ def test_events_default_to_the_trainers_root_dir_one_file_per_stage(tmp_path, mo
     assert (test.max_restarts, test.spares, test.min_replicas) == (0, 0, 1)  # an evaluation stage respawns nobody
     monkeypatch.setenv("MONARCH_PLUGIN_EVENTS", str(tmp_path / "mine.jsonl"))
     assert strategy.launcher.config(root_dir=trainer.default_root_dir).events_path == str(tmp_path / "mine.jsonl")
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_drains_a_replica_at_a_step_boundary_and_sigterm_to_fit_stops_with_a_checkpoint_that_resumes_exactly(
+        lightning_run):
+    """SIGTERM to replica 1's proc: it leaves at the next step boundary (no step dropped, no death) and a replacement
+    joins. SIGTERM to the script's process, the controller: fit ends the process with status 143 after the replicas
+    wrote Lightning's checkpoint of the last committed step, and fit(ckpt_path=...) ends as one process never
+    stopped."""
+    common = ("--devices", "3", "--epochs", "2", "--samples", "240", "--batch", "8")  # 10 steps an epoch
+    run = lightning_run().start(*common, "--step-sleep", "0.1")
+    single = lightning_run().start("--strategy", "single", *common)
+    run.wait_for(lambda: run.progress(0) >= 3, timeout=150, what="step 3")
+    os.kill(run.pids()[1][0], signal.SIGTERM)
+    run.wait_for(lambda: any(3 in q["members"] for q in run.events("quorum")), timeout=150,
+                 what="the replacement to join")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(timeout=150) == 143, run.output
+    [drain] = run.events("drain")
+    assert drain["replicas"] == [1] and [d["replica"] for d in run.events("drained")] == [1]
+    assert not run.events("death") and not [q for q in run.events("quorum")[:3] if q["interrupt"]]
+    [give_up] = run.events("give_up")
+    assert give_up["reason"] == "SIGTERM received" and give_up["checkpoint"].endswith(".ckpt"), run.output
+    for pids in run.pids().values():
+        assert not any(alive(p) for p in pids)
+    resumed = lightning_run().start("--resume", give_up["checkpoint"], *common)
+    _resumed_like_one_process(resumed, single, steps=20)

@@ -88,3 +88,10 @@ def test_the_same_exception_at_the_same_step_in_two_replicas_is_the_codes_own():
     oom = Raised(replica=2, lane=0, error="OutOfMemoryError: CUDA out of memory", kind="torch.OutOfMemoryError",
                  traceback="", step=7, oom=True)
     assert "both ran out of memory at step 7" in policies.same_error(0, 2, oom)
+
+
+def test_a_drain_goes_on_above_min_replicas_and_stops_with_a_checkpoint_below_it_or_when_everyone_is_told():
+    config = ElasticConfig(replicas=3, min_replicas=2)
+    assert policies.drain_stop(2, [1], "SIGTERM", config) is None
+    assert "below `min_replicas` 2" in policies.drain_stop(1, [1, 2], "SIGTERM", config)
+    assert "to every replica" in policies.drain_stop(0, [0, 1, 2], "SIGUSR1", config)

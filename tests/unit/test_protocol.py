@@ -12,6 +12,7 @@ import torch
 from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
     Action,
+    Drain,
     Key,
     Outcome,
     Phase,
@@ -65,7 +66,7 @@ def test_the_meshes_a_controller_spawns_are_told_from_a_users():
 
 def test_phases_and_states_compare_with_their_wire_text():
     assert "reduce" in WAITING_ON_PEERS and Phase.COMPUTE not in WAITING_ON_PEERS
-    assert [s.live for s in ReplicaState] == [True, True, True, False, False, False]
+    assert [s.live for s in ReplicaState] == [True, True, True, True, False, False, False]
 
 
 def test_an_outcome_pickles_as_a_monarch_endpoint_returns_it():
@@ -78,3 +79,8 @@ def test_rng_state_restores_python_numpy_and_torch():
     drawn = (random.random(), np.random.rand(), torch.rand(1).item())
     set_rng_state(state, torch.device("cpu"))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == drawn
+
+
+def test_drain_reports_read_back_in_the_order_they_were_appended():
+    lines = Drain(2, 0, "SIGTERM", 41).line() + Drain(0, 1, "SIGUSR1", 42).line()
+    assert Drain.parse(lines) == [Drain(2, 0, "SIGTERM", 41), Drain(0, 1, "SIGUSR1", 42)]
