@@ -355,3 +355,37 @@ def test_command_line_errors_name_the_flag(capsys):
         _parse("--config", "llama3_debugmodel_elastic", "--parallelism.pipeline_parallel_degree", "2")
     err = re.sub(r"[│\s]+", " ", capsys.readouterr().err)  # tyro boxes and wraps the message
     assert "--monarch.enable does not support pipeline parallelism" in err
+
+
+@pytest.mark.timeout(420)
+def test_sigterm_drains_a_replica_whole_and_sigusr1_to_the_job_stops_with_a_checkpoint_the_relaunch_resumes(titan_run):
+    """SIGTERM to proc 1 of replica 1: its whole replica leaves at the next step boundary (no step dropped, no death),
+    a replacement joins. SIGUSR1 to `python -m torchtitan.train`, the controller (SLURM's `--signal=USR1@N`): the
+    job exits with status 138 after torchtitan's checkpointer saved the last committed step, and the relaunch trains
+    every later step once, on the global batches a job never stopped trains."""
+    checkpointing = ("--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.no-last-save-model-only",
+                     "--debug.deterministic")
+    run = titan_run().start(*checkpointing, "--probe.step_sleep", "0.4")
+    run.wait_for(lambda: run.progress(0) >= 2, timeout=300, what="replica 0 to commit step 2")
+    os.kill(run.pids()[1][1], signal.SIGTERM)
+    run.wait_for(lambda: any(2 in q["members"] for q in run.events("quorum")), timeout=300,
+                 what="the replacement to join")
+    os.kill(run.proc.pid, signal.SIGUSR1)
+    assert run.wait(timeout=200) == 138, run.output
+    [drain] = run.events("drain")
+    assert (drain["replicas"], drain["members"]) == ([1], [0])
+    assert not run.events("death") and [d["replica"] for d in run.events("drained")] == [1]
+    [give_up] = run.events("give_up")
+    saved = int(give_up["checkpoint"].rsplit("-", 1)[1])
+    committed = _final_records(run.steps())
+    assert sorted(committed) == list(range(1, saved + 1))  # nothing committed past the checkpoint: nothing lost
+
+    resumed = titan_run().start(*checkpointing, "--checkpoint.folder", str(run.out / "checkpoint"))
+    assert resumed.wait(timeout=200) == 0, resumed.output
+    final = _final_records(resumed.steps())
+    assert sorted(final) == list(range(saved + 1, STEPS + 1))
+    for step, records in final.items():
+        assert sorted(i for r in records for i in r["samples"]) == list(range((step - 1) * GLOBAL_BATCH,
+                                                                            step * GLOBAL_BATCH))
+    for replica_pids in (*run.pids().values(), *resumed.pids().values()):
+        assert not any(alive(pid) for pid in replica_pids)
