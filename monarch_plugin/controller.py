@@ -531,6 +531,8 @@ class ElasticController:
         for drain in reports[self._drains_read:]:
             if drain.replica in self.replicas:
                 self._on_drain(self.replicas[drain.replica], drain)
+            elif drain.replica < 0 and 0 <= drain.host < len(self.hosts.hosts):
+                self._on_host_drain(drain)
         self._drains_read = len(reports)
 
     def _on_drain(self, replica: _Replica, drain: Drain) -> None:
@@ -544,6 +546,18 @@ class ElasticController:
         logger.warning("replica %d got %s (proc %d): it leaves at the next step boundary", replica.rid, drain.signal,
                        drain.pid)
         self._schedule_respawn(restart=False)
+
+    def _on_host_drain(self, drain: Drain) -> None:
+        """A host told to go (its agent passed the signal on to its procs, and its watcher told us): none of the run's
+        replicas is placed there any more, and all of its replicas drain together, in one generation change."""
+        host = self.hosts.hosts[drain.host]
+        if host.leaving or not host.live or self._closing.is_set():
+            return
+        host.leaving = True
+        going = [r for r in self.replicas.values() if r.host == drain.host and r.state.live]
+        self.events.emit("host_drain", host=host.name, signal=drain.signal, replicas=[r.rid for r in going])
+        for replica in going:
+            self._on_drain(replica, replace(drain, replica=replica.rid))
 
     def _check_drains(self) -> None:
         """Replicas told to go leave at the next step boundary, in one generation change for all told at once: the

@@ -284,10 +284,13 @@ class Drain:
     (`procs.notice`): its replica leaves at the next step boundary, or the run stops with a checkpoint."""
 
     replica: int
+    """-1: the whole host is going (its watcher got the signal, which its agent passes to every proc it started)."""
     lane: int
     signal: str
     """The signal's name (`SIGTERM`)."""
     pid: int
+    host: int = -1
+    """The host going, when `replica` is -1."""
 
     def line(self) -> str:
         return json.dumps(asdict(self)) + "\n"

@@ -189,10 +189,21 @@ def run_summary(result) -> list[str]:
     """What every front end prints when a run ends: each recovery, then the run's totals (a `RunResult`)."""
     from monarch_plugin.events import read_events
 
-    lines = [line for rec in recoveries(read_events(result.events_path)) for line in format_recovery(rec).split("\n")]
+    found = read_events(result.events_path)
+    lines = [line for rec in recoveries(found) for line in format_recovery(rec).split("\n")]
+    lines += drains(found)
     lines.append(f"finished in {result.seconds:.1f}s: {result.generations} generation(s), {result.deaths} death(s), "
                  f"{result.replicas_spawned} replica(s) spawned; events in {result.events_path}")
     return lines
+
+
+def drains(events: list[dict]) -> list[str]:
+    """A line per replica that left on a signal with notice (`drained`): when, after the signal, and what it cost."""
+    notices = {e["replica"]: e for e in events if e["event"] == "notice"}
+    dropped = sum(e["event"] == "dropped_step" for e in events)
+    return [f"replica {e['replica']} drained on {notices[e['replica']]['signal'] if e['replica'] in notices else 'a signal'}: "
+            f"left at a step boundary {e['seconds']:.2f} s after it" + ("" if dropped else ", nothing dropped")
+            for e in events if e["event"] == "drained"]
 
 
 def started_at(events: list[dict]) -> float:

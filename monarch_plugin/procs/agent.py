@@ -6,11 +6,16 @@ Start one on each machine (under SLURM: `srun --ntasks-per-node=1 monarch-plugin
 tcp://$(hostname -i):26600 ...`), then point the controller at them: `monarch-run --hosts tcp://10.0.0.2:26600,...`
 or `--hosts-file`. The agent listens on the one address given, never on a wildcard: Monarch 0.7.0's agents take no
 TLS keys, so anyone who reaches that address can run code as this user. Keep it on the job's private network. When
-the controller goes away the agent kills the work it started and waits for the next controller.
+the controller goes away the agent kills the work it started and waits for the next controller. SIGTERM or SIGUSR1
+to the agent (SLURM preempting or draining the node) is passed on to every proc it started: the controller drains
+this host's replicas at the next step boundary and places no more here; the agent goes on serving until it is
+killed, so that the controller can still stop them.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
 
@@ -31,6 +36,26 @@ def _check_local(ip: str) -> None:
                               "machine's own IP on the network the controller reaches it through") from e
 
 
+def _pass_on(name: str) -> bool:
+    """Send the signal to every process this agent started (Monarch's procs: the replicas and the host's watcher)."""
+    me = str(os.getpid())
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = f.read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            continue  # it ended meanwhile
+        if parent == me:
+            try:
+                os.kill(int(entry), signal.Signals[name])
+            except ProcessLookupError:
+                pass
+    print(f"monarch-plugin host: {name}: passed on to this host's procs, which drain", file=sys.stderr, flush=True)
+    return False  # a second signal is passed on too
+
+
 def serve(address: str, hosts_file: str | None = None) -> int:
     """Run the agent on `address` until it is killed; 2 after saying why on stderr if it cannot listen there."""
     try:
@@ -40,6 +65,10 @@ def serve(address: str, hosts_file: str | None = None) -> int:
         print(f"monarch-plugin host: error: {str(e).replace('`hosts`', '--address')}", file=sys.stderr)
         return 2
     from monarch.actor import start_worker_loop_forever
+
+    from monarch_plugin.procs import notice
+
+    notice.install(act=_pass_on)
 
     serving = start_worker_loop_forever(ca="trust_all_connections", address=address)
     print(f"monarch-plugin host: agent listening on {address} (no TLS: keep this address on a private network)",

@@ -54,6 +54,8 @@ class Host:
     watcher: Any = None
     watcher_procs: Any = None
     live: bool = True
+    leaving: bool = False
+    """Told to go (a signal to its agent, passed on to its procs): its replicas drain, and none is placed here."""
     returning: bool = False
     """Another agent on this machine's IP was attached before (it came back, or restarted on a new port)."""
     held: dict[int, int] = field(default_factory=dict)
@@ -157,7 +159,7 @@ class Hosts:
 
     def rooms(self) -> dict[int, tuple[int, set[int]]]:
         """Each live host's (slots, held slots), what `policies.place` decides from."""
-        return {h.index: (h.slots, set(h.held.values())) for h in self.hosts if h.live}
+        return {h.index: (h.slots, set(h.held.values())) for h in self.hosts if h.live and not h.leaving}
 
     def take(self, replica: int, host: int, slot: int) -> None:
         self.hosts[host].held[replica] = slot
@@ -282,7 +284,7 @@ class Hosts:
             mesh = attach_to_workers(workers=[address], ca="trust_all_connections", name=f"host{index}")
             mesh.initialized.get(timeout=min(self.config.join_timeout_s, 30.0))
             procs_name, actor_name = watcher_names(index)
-            procs = mesh.spawn_procs(per_host={"procs": 1}, name=procs_name)
+            procs = mesh.spawn_procs(per_host={"procs": 1}, name=procs_name, bootstrap_command=notice.bootstrap_command())
             watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, index,
                                   self._lease)
             machine = watcher.machine.call_one(self.paths).get(timeout=self.config.join_timeout_s)

@@ -12,7 +12,9 @@ nothing, which keeps the signal from ending the process, and a wakeup fd: CPytho
 signal's number there from whichever thread the kernel picked, and the notice thread, reading it, tells the
 controller through the store (`protocol.Drain`) at once. `install` is called by the forkserver's child
 (`forkserver._become_proc`) and, where procs start as fresh interpreters (a run without the forkserver, a host of a
-multi-host run), by this module run as their bootstrap command (`bootstrap_command`).
+multi-host run), by this module run as their bootstrap command (`bootstrap_command`). A host's watcher proc tells
+the controller that its whole host is going (`listen`); the host's agent (`monarch-plugin host`) passes the signal
+on to every proc it started (`install(act=...)`), so a node told to go drains all its replicas at once.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
-__all__ = ["NOTICE_SIGNALS", "bootstrap_command", "install"]
+__all__ = ["NOTICE_SIGNALS", "bootstrap_command", "install", "listen"]
 
 NOTICE_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -35,21 +38,31 @@ _ENV_WAIT_S = 120.0
 arrives with the actor)."""
 
 
-def install() -> None:
-    """On the proc's main thread, before Monarch's bootstrap: catch the notice signals and start the notice thread."""
+_listener: Callable[[str], None] | None = None
+
+
+def listen(tell: Callable[[str], None]) -> None:
+    """A proc that is no replica's (a host's watcher) tells the controller itself: `tell(signal name)`."""
+    global _listener
+    _listener = tell
+
+
+def install(act: Callable[[str], bool] | None = None) -> None:
+    """On the process's main thread: catch the notice signals and start the notice thread, which calls `act(signal
+    name)` for each (until it returns True); by default, before Monarch's bootstrap, it tells the controller."""
     read, write = os.pipe()
     os.set_blocking(write, False)
     for sig in NOTICE_SIGNALS:
         signal.signal(sig, _ignore)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-    threading.Thread(target=_relay, args=(read,), name="monarch-plugin-notice", daemon=True).start()
+    threading.Thread(target=_relay, args=(read, act or _tell), name="monarch-plugin-notice", daemon=True).start()
 
 
 def _ignore(signum, frame) -> None:
     """The Python-level handler: the notice thread has acted on the signal already."""
 
 
-def _relay(read: int) -> None:
+def _relay(read: int, act: Callable[[str], bool]) -> None:
     told = False
     while True:
         try:
@@ -60,18 +73,20 @@ def _relay(read: int) -> None:
             return
         signals = [signal.Signals(n).name for n in data if n in NOTICE_SIGNALS]
         if signals and not told:
-            told = _tell(signals[0])
+            told = act(signals[0])
 
 
 def _tell(name: str) -> bool:
     """Report the signal to the controller; True once reported (or when this proc is no replica's: nothing to tell)."""
     deadline = time.monotonic() + _ENV_WAIT_S
-    while "MONARCH_PLUGIN_STORE_PORT" not in os.environ:  # set by the replica's actor as it starts
+    while "MONARCH_PLUGIN_STORE_PORT" not in os.environ and _listener is None:  # set as the proc's actor starts
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     if "MONARCH_PLUGIN_REPLICA_ID" not in os.environ:
-        return True  # a host's watcher: it ends with its host's replicas
+        if _listener is not None:  # a host's watcher
+            _listener(name)
+        return True
     import torch.distributed as dist
 
     from monarch_plugin.protocol import Drain, Key
@@ -106,4 +121,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from monarch_plugin.procs import notice  # the module itself, not this `__main__` copy: `listen` sets its hook
+
+    notice.main()

@@ -19,8 +19,9 @@ import threading
 
 from monarch.actor import Actor, endpoint
 
+from monarch_plugin.procs import notice
 from monarch_plugin.procs.pidwatch import PidWatch
-from monarch_plugin.protocol import Key
+from monarch_plugin.protocol import Drain, Key
 from monarch_plugin.procs.lease import Lease
 
 __all__ = ["HostWatcher", "loopback_port"]
@@ -46,6 +47,7 @@ class HostWatcher(Actor):
         self._pids = PidWatch(self._report, name="monarch-plugin-watch")
         self._lease = Lease(store_host, store_port, host, lease, f"the watcher of host {host}",
                             beat_key=Key.host_beat(host))
+        notice.listen(self._going)  # its agent passes on a SIGTERM to every proc: the whole host is going
 
     @endpoint
     def machine(self, paths: list[str]) -> dict:
@@ -70,6 +72,15 @@ class HostWatcher(Actor):
     def kill(self, replica: int) -> None:
         """SIGKILL the replica's procs on this host (the controller already counts it dead)."""
         self._pids.kill(replica)
+
+    def _going(self, signal: str) -> None:
+        """This host was told to go: the controller drains its replicas at once, and places none here any more."""
+        with self._report_lock:
+            try:
+                self._store.append(Key.DRAINS, Drain(-1, -1, signal, os.getpid(), host=self._host).line())
+                self._store.add(Key.DRAIN_COUNT, 1)
+            except Exception:  # noqa: BLE001 - unreachable controller: its replicas' own reports may reach it
+                pass
 
     def _report(self, replica: int, pid: int) -> None:
         """The record first, then the counter: the controller reads the n-th record once the counter says n, so a

@@ -9,6 +9,7 @@ address (a single-host job's listeners are checked in test_elastic_run.py).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -299,4 +300,47 @@ def test_torchtitan_on_two_hosts_survives_losing_one_and_regrows_onto_it(titan_r
         batch = set(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
         assert len(set(mine)) == len(mine) == GLOBAL_BATCH // records[0]["replicas"], (step, records)
         assert set(mine) <= batch, (step, records)
+    _nothing_outlives(run)
+
+
+def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_change_with_nothing_dropped(elastic_run,
+                                                                                                       hosts):
+    """SLURM preempting or draining a node signals its processes: SIGTERM to host 1's agent is passed on to the procs
+    it started, both of its replicas leave at the same step boundary (its watcher tells the controller the whole host
+    is going), and their replacements go to the machine that joins next, never back to the host that is going."""
+    net = hosts(3)
+    for i in (0, 1):
+        net.start_agent(i)
+    net.wait_listed(2)
+    run = elastic_run()
+    samples, batch, epochs = 240, 24, 8
+    run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "4",
+              "--min-replicas", "2", "--replicas-per-host", "2", "--host-timeout", "4", "--join-timeout", "120",
+              script=WORKLOADS / "logged_loop.py",
+              script_args=("--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
+                           "--step-sleep", "0.1", "--out", str(run.out)))
+    steps_file = run.out / "steps.jsonl"
+    run.wait_for(lambda: steps_file.exists() and len(steps_file.read_text().splitlines()) >= 4, timeout=150,
+                 what="four committed steps")
+    going = sorted(s["replica"] for s in run.events("spawn") if s["host"] == net.address(1))
+    assert len(going) == 2, run.events("spawn")
+    net.agents[1].send_signal(signal.SIGTERM)
+    run.wait_for(lambda: run.events("drained") and len(run.events("drained")) == 2, timeout=60,
+                 what="host 1's replicas to leave")
+    net.start_agent(2)
+    assert run.wait(timeout=240) == 0, run.output
+
+    [host_drain] = run.events("host_drain")
+    assert host_drain["host"] == net.address(1) and host_drain["replicas"] == going
+    [drain] = run.events("drain")
+    assert drain["replicas"] == going and len(drain["members"]) == 2
+    assert not run.events("death") and not run.events("dropped_step") and not run.events("host_lost")
+    quorums = run.events("quorum")
+    sizes = [len(q["members"]) for q in quorums]  # the replacements join in one grow, or one each
+    assert sizes[:2] == [4, 2] and sizes[-1] == 4 and not [q for q in quorums if q["interrupt"]], quorums
+    assert {s["host"] for s in run.events("spawn")[4:]} == {net.address(2)}
+    steps = [json.loads(line) for line in steps_file.read_text().splitlines()]
+    assert [r["step"] for r in steps] == list(range(epochs * samples // batch))
+    results = run.results()
+    assert len(results) == 4 and len({r["checksum"] for r in results.values()}) == 1
     _nothing_outlives(run)

@@ -140,3 +140,13 @@ def test_recovery_report_of_a_writer_death_names_the_replacement_whether_or_not_
     assert format_recovery(rec).splitlines()[-1] == (
         "  replacement replica 2: spawned in 8261 ms, healed from a live peer in 341 ms (78.7 MB), training at step 6 "
         "20473 ms after spawn began")
+
+
+def test_a_drained_replica_gets_its_own_line_not_a_recovery():
+    from monarch_plugin.report import drains, recoveries
+
+    events = [{"event": "notice", "ts": 1.0, "replica": 1, "signal": "SIGTERM", "pid": 7},
+              {"event": "drain", "ts": 1.3, "replicas": [1], "gen": 1, "members": [0, 2], "signal": "SIGTERM"},
+              {"event": "drained", "ts": 1.5, "replica": 1, "gen": 1, "seconds": 0.5}]
+    assert drains(events) == ["replica 1 drained on SIGTERM: left at a step boundary 0.50 s after it, nothing dropped"]
+    assert recoveries(events) == []
