@@ -7,6 +7,7 @@ protocol (torch groups, heals, training) is tested end to end under tests/e2e.
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -253,3 +254,76 @@ def test_out_of_memory_under_a_constant_local_batch_shrinks_as_any_failure(tmp_p
 
     run.run(drive)
     assert "wait" not in [q["action"] for q in run.events("quorum")]
+
+
+def _notice(run, rid: int, sig: str = "SIGTERM") -> None:
+    """What a replica's proc tells the controller when it receives a signal with notice (`procs.notice`)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from monarch_plugin.protocol import Drain, Key
+
+    port = run.events("run_start")[0]["store_port"]
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    store.append(Key.DRAINS, Drain(rid, 0, sig, 0).line())
+    store.add(Key.DRAIN_COUNT, 1)
+
+
+def test_a_replica_told_to_go_leaves_at_a_step_boundary_and_a_replacement_regrows_the_run(tmp_path):
+    run = _Run(tmp_path, replicas=3, min_replicas=2)
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        _notice(run, 1)
+        _notice(run, 1, "SIGUSR1")  # a second signal to the same replica changes nothing
+        run.quorum([0, 2])
+        run.quorum([0, 2, 3])
+
+    result = run.run(drive)
+    assert [q["interrupt"] for q in run.events("quorum")] == [False, False, False]
+    assert [(d["replicas"], d["members"]) for d in run.events("drain")] == [([1], [0, 2])]
+    assert [d["replica"] for d in run.events("drained")] == [1] and not run.events("death")
+    assert [e["restarts"] for e in run.events("respawn_scheduled")] == [0]  # a drain's replacement is no restart
+    assert sorted(result.values) == [0, 2, 3]
+
+
+@pytest.mark.parametrize("told, why", [((0, 1, 2), "SIGTERM to every replica"),
+                                       ((1, 2), "would leave 1 replica(s), below `min_replicas` 2")])
+def test_every_replica_told_to_go_or_too_many_stops_the_run_with_a_checkpoint_instead(tmp_path, told, why):
+    from monarch_plugin.errors import RunStopped
+
+    run = _Run(tmp_path, replicas=3, min_replicas=2)
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        for rid in told:
+            _notice(run, rid)
+        run.wait("the stop", lambda: run.events("give_up"))
+
+    with pytest.raises(RunStopped, match=re.escape(why)) as stopped:
+        run.run(drive)
+    assert stopped.value.status == 143 and not run.events("drain")
+    assert [q["action"] for q in run.events("quorum")] == ["train", "checkpoint"]
+
+
+def test_sigusr1_to_the_controller_stops_the_run_with_a_checkpoint_and_status_138(tmp_path):
+    import os
+    import signal
+
+    from monarch_plugin.errors import RunStopped
+
+    run = _Run(tmp_path, replicas=2)
+
+    def drive(run):
+        run.quorum([0, 1])
+        os.kill(os.getpid(), signal.SIGUSR1)
+        run.wait("the stop", lambda: run.events("give_up"))
+
+    before = signal.getsignal(signal.SIGUSR1)
+    with pytest.raises(RunStopped, match="SIGUSR1 received") as stopped:
+        run.run(drive)
+    assert stopped.value.status == stopped.value.code == 138
+    assert run.events("quorum")[-1]["action"] == "checkpoint" and run.events("give_up")[0]["reason"] == "SIGUSR1 received"
+    assert signal.getsignal(signal.SIGUSR1) is before  # the controller's handler went with its run
