@@ -200,8 +200,7 @@ class ElasticController:
         self.action = Action.TRAIN
         """What the current generation's members do."""
         self._raises: list[tuple[int, Raised]] = []  # (replica, report) of every training code that raised
-        self._raised_read = 0  # `Key.RAISED` lines handled
-        self._drains_read = 0  # `Key.DRAINS` lines handled
+        self._read: dict[str, int] = {}  # lines handled of each appended key (`Key.RAISED`, `Key.DRAINS`)
         self._told_to_stop: str | None = None  # the signal with notice this process received (its name)
         self.oom_floor = 0
         """The fewest replicas the run may train on since one ran out of memory (`policies.oom_floor`); 0: no floor."""
@@ -449,13 +448,18 @@ class ElasticController:
     def _read_raised(self) -> None:
         """What the store says raised: a proc of a replica of several tells it there at once, while its siblings may
         be stuck in a collective with it, so that the replica's actor call never returns."""
-        if self.store is None or self.store.add(Key.RAISED_COUNT, 0) <= self._raised_read:
-            return
-        reports = Raised.parse(self.store.get(Key.RAISED))
-        for raised in reports[self._raised_read:]:
+        for raised in self._appended(Raised, Key.RAISED, Key.RAISED_COUNT):
             if raised.replica in self.replicas:
                 self._on_raised(self.replicas[raised.replica], raised)
-        self._raised_read = len(reports)
+
+    def _appended(self, kind, key: str, count: str) -> list:
+        """The `kind` reports appended under `key` since the last read (`count` says how many are in place)."""
+        read = self._read.get(key, 0)
+        if self.store is None or self.store.add(count, 0) <= read:
+            return []
+        reports = kind.parse(self.store.get(key))
+        self._read[key] = len(reports)
+        return reports[read:]
 
     def _on_raised(self, replica: _Replica, raised: Raised) -> None:
         """A replica's training code raised (a CUDA, NCCL or out-of-memory error, a flaky disk), or the runtime's own
@@ -525,15 +529,11 @@ class ElasticController:
 
     def _read_drains(self) -> None:
         """The signals with notice the replicas' procs received (`procs.notice` tells them through the store)."""
-        if self.store is None or self.store.add(Key.DRAIN_COUNT, 0) <= self._drains_read:
-            return
-        reports = Drain.parse(self.store.get(Key.DRAINS))
-        for drain in reports[self._drains_read:]:
+        for drain in self._appended(Drain, Key.DRAINS, Key.DRAIN_COUNT):
             if drain.replica in self.replicas:
                 self._on_drain(self.replicas[drain.replica], drain)
             elif drain.replica < 0 and 0 <= drain.host < len(self.hosts.hosts):
                 self._on_host_drain(drain)
-        self._drains_read = len(reports)
 
     def _on_drain(self, replica: _Replica, drain: Drain) -> None:
         """A proc of the replica was told to go: its replacement starts now, and the replica leaves at a step boundary

@@ -235,8 +235,21 @@ def unfit_members(raw: str | bytes) -> dict[int, str]:
     return found
 
 
+class _Appended:
+    """A report a worker appends to a store key, a JSON line each, which the controller reads back in order."""
+
+    def line(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def parse(cls, raw: str | bytes) -> list:
+        """Every report in the key's value, in the order they were appended."""
+        return [cls(**json.loads(line)) for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines()
+                if line.strip()]
+
+
 @dataclass(frozen=True)
-class Raised:
+class Raised(_Appended):
     """A worker proc's training code raised (or could not even be loaded): what the proc tells the controller at once
     through the store (`Key.RAISED`), and returns as its `Outcome`. The controller replaces the replica, as after a
     death, or stops the run when another replica raised the same at the same step (`kind`, `step`)."""
@@ -267,18 +280,10 @@ class Raised:
     """The committed steps the proc's state still holds untouched (`StepTransaction.held`), from which it can write
     the run's give-up checkpoint; None when it raised while that state changed (an optimizer step, a heal)."""
 
-    def line(self) -> str:
-        return json.dumps(asdict(self)) + "\n"
-
-    @classmethod
-    def parse(cls, raw: str | bytes) -> list["Raised"]:
-        """Every report in a `Key.RAISED` value, in the order they were appended."""
-        return [cls(**json.loads(line)) for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines()
-                if line.strip()]
 
 
 @dataclass(frozen=True)
-class Drain:
+class Drain(_Appended):
     """A worker proc received a signal with notice (SIGTERM, SIGUSR1: a scheduler's preemption, `scancel`, a node being
     drained), told to the controller through the store (`Key.DRAINS`) by the proc's notice thread
     (`procs.notice`): its replica leaves at the next step boundary, or the run stops with a checkpoint."""
@@ -292,14 +297,6 @@ class Drain:
     host: int = -1
     """The host going, when `replica` is -1."""
 
-    def line(self) -> str:
-        return json.dumps(asdict(self)) + "\n"
-
-    @classmethod
-    def parse(cls, raw: str | bytes) -> list["Drain"]:
-        """Every report in a `Key.DRAINS` value, in the order they were appended."""
-        return [cls(**json.loads(line)) for line in (raw.decode() if isinstance(raw, bytes) else raw).splitlines()
-                if line.strip()]
 
 
 @dataclass
