@@ -5,39 +5,117 @@ lost, the replicas end with it, and a relaunch has only what was written to disk
 generation's rank 0) writes a checkpoint of a committed step every `checkpoint_steps` steps and/or every
 `checkpoint_interval_s` seconds, off the critical path: it copies its state in memory at the step boundary and a
 thread writes the copy while training goes on. A relaunch with `resume="auto"` starts from the newest complete
-one, on any number of replicas: the global batch and the sample order do not depend on how many there are.
+one, on any number of replicas of any number of procs.
 
-A checkpoint of committed step N is one file per proc of a replica (its shard, under FSDP):
-`step{N:08d}-local{k}-of{K}.pt` in `checkpoint_dir`. Each file is written under a temporary name, flushed to
-disk, then renamed into place, so a crash mid-write leaves a temporary file, which no reader takes, and never a
-file that loads wrong; a checkpoint is complete once all K of its files are in place. The checkpoint the run
-writes when it gives up (too few replicas) is the same kind of file, written the same way.
+A checkpoint of committed step N is the directory `step{N:08d}` in `checkpoint_dir`, written with
+torch.distributed.checkpoint (DCP) by every proc of the writing replica on a group of their own: the model's and
+optimizer's tensors by name (an FSDP shard per proc, resharded on load to however many procs load it), the loop's
+own state (sampler, step, scheduler, extra) once, and each proc's random generators as `lane{k}`. DCP's
+coordinator writes `.metadata` once every proc's files are in place: a checkpoint without it is incomplete, and
+no reader takes it. This module is where checkpoints lie and which are complete, for the controller and the
+workers; writing them is `worker.checkpoint_writer`'s, in the format of `worker.dcp_io`, which reads unpickling
+only what an allow-list admits.
+
+The run holds its checkpoint directory and its events file for itself (`runlock`): a second run pointed at them
+is refused, naming the first. Pruning keeps the newest `checkpoint_keep` complete checkpoints and never the
+newest complete one; what a crashed run left half-written is removed when the next run takes the directory.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import threading
-import time
-from typing import Any, Callable
+import shutil
 
 import torch
 
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["CheckpointWriter", "lane_file", "newest", "file_name", "newest_written", "save", "step_of"]
+__all__ = ["checkpoints", "clean_stale", "complete", "newest", "newest_written", "prune", "save_file", "step_of",
+           "step_path"]
 
-_NAME = re.compile(r"step(?P<step>\d{8})-local(?P<lane>\d+)-of(?P<lanes>\d+)\.pt")
-
-
-def file_name(step: int, lane: int, lanes: int) -> str:
-    """The file of proc `lane` (of `lanes` in a replica) in the checkpoint of committed step `step`."""
-    return f"step{step:08d}-local{lane}-of{lanes}.pt"
+_NAME = re.compile(r"step(?P<step>\d{8})")
+_METADATA = ".metadata"
 
 
-def save(state: dict, path: str) -> None:
-    """Write `state` to `path` atomically: all of it, or (after a crash) nothing under that name."""
+def step_path(directory: str, step: int) -> str:
+    """The checkpoint of committed step `step` in `directory`."""
+    return os.path.join(os.path.abspath(directory), f"step{step:08d}")
+
+
+def step_of(path: str) -> int:
+    """The committed steps held by the checkpoint at `path`, read from its name."""
+    match = _NAME.fullmatch(os.path.basename(os.path.normpath(path)))
+    if match is None:
+        raise ConfigError(f"`resume`: {path} is not a checkpoint of this runtime (a step<N> directory): give one "
+                          "of those, or 'auto' for the newest in `checkpoint_dir`", "resume")
+    return int(match["step"])
+
+
+def complete(path: str) -> bool:
+    """Whether every proc's part of the checkpoint at `path` is in place: DCP wrote its metadata last."""
+    return os.path.isfile(os.path.join(path, _METADATA))
+
+
+def checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint directory in `directory`, complete or not, oldest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m["step"]), os.path.join(os.path.abspath(directory), m[0]))
+             for m in map(_NAME.fullmatch, names) if m]
+    return sorted(p for p in found if os.path.isdir(p[1]))
+
+
+def newest(directory: str) -> str | None:
+    """The newest complete checkpoint in `directory`; None if there is none."""
+    done = [path for _, path in checkpoints(directory) if complete(path)]
+    return done[-1] if done else None
+
+
+def newest_written(paths: list[str]) -> str | None:
+    """The newest of `paths` (what a run recorded writing) still complete on disk; None if there is none."""
+    done = [(step_of(p), p) for p in set(paths) if complete(p)]
+    return max(done)[1] if done else None
+
+
+def prune(directory: str, keep: int) -> list[str]:
+    """Remove all but the newest `keep` complete checkpoints, and what is left of any write older than the newest
+    complete one (a write that failed, or whose writer died). The newest complete checkpoint is never removed, and
+    neither is a write newer than it, which may still be going. Returns what was removed."""
+    found = checkpoints(directory)
+    done = [path for _, path in found if complete(path)]
+    if not done:
+        return []
+    kept = set(done[-max(keep, 1):])
+    newest_step = step_of(done[-1])
+    removed = [path for step, path in found if path not in kept and step <= newest_step]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def clean_stale(directory: str) -> list[str]:
+    """At the start of a run that holds `directory`: remove the incomplete checkpoints and temporary files an earlier
+    run left when it was killed mid-write (nothing else writes here while the lock is held). Returns what was removed."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    stale = [path for _, path in checkpoints(directory) if not complete(path)]
+    stale += [os.path.join(os.path.abspath(directory), n) for n in names if ".tmp" in n]
+    for path in stale:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            os.remove(path)
+    return stale
+
+
+def save_file(state: dict, path: str) -> None:
+    """Write `state` to the one file `path` atomically: all of it, or (after a crash) nothing under that name (what
+    Lightning's checkpoints go through, `AtomicCheckpointIO`)."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save(state, f)
@@ -51,125 +129,3 @@ def save(state: dict, path: str) -> None:
         os.close(fd)
 
 
-def _complete(paths: list[str]) -> list[tuple[int, int, str]]:
-    """(step, lanes, directory) of each checkpoint all of whose files are among `paths`."""
-    have: dict[tuple[int, int, str], set[int]] = {}
-    for path in paths:
-        match = _NAME.fullmatch(os.path.basename(path))
-        if match:
-            key = (int(match["step"]), int(match["lanes"]), os.path.dirname(path))
-            have.setdefault(key, set()).add(int(match["lane"]))
-    return [key for key, found in have.items() if found == set(range(key[1]))]
-
-
-def newest(directory: str, lanes: int) -> str | None:
-    """Lane 0's file of the newest complete checkpoint in `directory` for replicas of `lanes` procs; None if there
-    is none. ConfigError if the directory holds checkpoints only of replicas of another size (FSDP shards do not
-    reshard on load)."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return None
-    complete = _complete([os.path.join(os.path.abspath(directory), name) for name in names])
-    mine = [step for step, k, _ in complete if k == lanes]
-    if mine:
-        return os.path.join(os.path.abspath(directory), file_name(max(mine), 0, lanes))
-    others = sorted({k for _, k, _ in complete})
-    if others:
-        raise ConfigError(f"`checkpoint_dir` {directory} holds checkpoints of replicas of {others} proc(s), and this "
-                          f"run's have {lanes}: resume with `procs_per_replica` {others[-1]}, or set another "
-                          "`checkpoint_dir`", "resume")
-    return None
-
-
-def newest_written(paths: list[str], lanes: int) -> str | None:
-    """Lane 0's file of the newest checkpoint (for replicas of `lanes` procs) of which every file is among `paths`
-    (what a run recorded writing) and still on disk; None if there is none."""
-    complete = [(step, d) for step, k, d in _complete([p for p in paths if os.path.exists(p)]) if k == lanes]
-    if not complete:
-        return None
-    step, directory = max(complete)
-    return os.path.join(directory, file_name(step, 0, lanes))
-
-
-def step_of(path: str) -> int:
-    """The committed steps held by the checkpoint that `path` is a file of, read from its name."""
-    return int(_NAME.fullmatch(os.path.basename(path))["step"])
-
-
-def lane_file(path: str, lane: int) -> str:
-    """The file of proc `lane` in the checkpoint whose lane-0 file is `path`; ConfigError if it is not one."""
-    match = _NAME.fullmatch(os.path.basename(path))
-    if match is None:
-        raise ConfigError(f"`resume`: {path} is not a checkpoint file of this runtime (step<N>-local<k>-of<K>.pt): "
-                          "give one of those, or 'auto' for the newest in `checkpoint_dir`", "resume")
-    return os.path.join(os.path.dirname(path), file_name(int(match["step"]), lane, int(match["lanes"])))
-
-
-class CheckpointWriter:
-    """Writes a replica's periodic checkpoints from a thread: `due(step)` says whether step `step` is one to keep;
-    `write` copies the state now and saves it in the background (a copy made while the previous write is still
-    going waits for it, so at most two states are ever in memory). A write that fails (a full disk) is reported
-    as a `checkpoint_failed` event and training goes on: the next one may succeed."""
-
-    def __init__(self, directory: str, every_steps: int, every_s: float, lane: int, lanes: int,
-                 emit: Callable[..., None], keep: int = 0):
-        self._directory, self._every_steps, self._every_s, self._keep = directory, every_steps, every_s, keep
-        self._lane, self._lanes, self._emit = lane, lanes, emit
-        self._last_at = time.monotonic()
-        self._thread: threading.Thread | None = None
-
-    def due(self, step: int) -> bool:
-        if self._every_steps and step % self._every_steps == 0:
-            return True
-        return bool(self._every_s) and time.monotonic() - self._last_at >= self._every_s
-
-    def write(self, step: int, state: dict) -> None:
-        copy = _detached_copy(state)
-        self.wait()
-        self._last_at = time.monotonic()
-        self._thread = threading.Thread(target=self._save, args=(step, copy), daemon=True,
-                                        name="monarch-plugin-checkpoint")
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Until the write in progress (if any) is on disk; before the loop ends, so the last one is kept."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def _save(self, step: int, state: dict) -> None:
-        t0 = time.monotonic()
-        try:
-            os.makedirs(self._directory, exist_ok=True)
-            path = os.path.join(self._directory, file_name(step, self._lane, self._lanes))
-            save(state, path)
-        except Exception as e:  # noqa: BLE001 - a checkpoint lost is not a reason to stop training
-            self._emit("checkpoint_failed", step=step, error=f"{type(e).__name__}: {e}")
-            return
-        self._emit("checkpoint", step=step, path=os.path.abspath(path), seconds=round(time.monotonic() - t0, 3),
-                   periodic=True)
-        if self._keep:
-            self._prune(step)
-
-    def _prune(self, newest_step: int) -> None:
-        """Delete this proc's files of all but the newest `keep` checkpoints (each proc prunes its own shard)."""
-        mine = sorted(int(m["step"]) for m in map(_NAME.fullmatch, os.listdir(self._directory))
-                      if m and int(m["lane"]) == self._lane and int(m["lanes"]) == self._lanes
-                      and int(m["step"]) <= newest_step)
-        for step in mine[: -self._keep]:
-            try:
-                os.remove(os.path.join(self._directory, file_name(step, self._lane, self._lanes)))
-            except FileNotFoundError:
-                pass
-
-
-def _detached_copy(obj: Any) -> Any:
-    """The state as it is now, in memory the training step does not touch: tensors cloned to the CPU."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, _detached_copy(v)) for k, v in obj.items())
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_detached_copy(v) for v in obj)
-    return obj

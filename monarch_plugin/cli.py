@@ -91,13 +91,29 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2
+    from monarch_plugin.runlock import hold
+
+    try:
+        held = hold(config)  # a second run on this run's files is refused before anything is spawned
+    except ConfigError as e:
+        print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
+        return 2
+    try:
+        return _run(config, target, held)
+    finally:
+        for lock in held:
+            lock.release()
+
+
+def _run(config: ElasticConfig, target, held: list) -> int:
+    """The run itself, on files `held` for it."""
     from monarch_plugin.procs import forkserver
 
     forkserver.for_run(config, target.imports)  # its imports run beside the controller's, which follow
     from monarch_plugin.controller import ElasticController
 
     try:
-        result = ElasticController(config, target).run()
+        result = ElasticController(config, target, held=held).run()
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2

@@ -134,11 +134,13 @@ class ElasticConfig:
 
     events_path: str | None = None
     """JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up),
-    emptied when a run starts. None: ``$MONARCH_PLUGIN_EVENTS`` or ``./monarch_events.jsonl``."""
+    emptied when a run starts, and held by the run until it ends (a second run pointed at it is refused). None:
+    ``$MONARCH_PLUGIN_EVENTS`` or ``./monarch_events.jsonl``."""
 
     checkpoint_dir: str = "monarch_checkpoints"
-    """Where durable checkpoints are written: when the run gives up, and every ``checkpoint_steps`` /
-    ``checkpoint_interval_s`` (one writer; `monarch_plugin.checkpoint`)."""
+    """Where durable checkpoints are written (a ``step<N>`` directory each, torch.distributed.checkpoint): when the
+    run gives up, and every ``checkpoint_steps`` / ``checkpoint_interval_s`` (one writer; `monarch_plugin.checkpoint`).
+    A run that writes or resumes them holds the directory until it ends: a second one is refused."""
 
     checkpoint_steps: int = 0
     """An `ElasticLoop` run writes a durable checkpoint every this many committed steps, from one replica, while
@@ -149,13 +151,13 @@ class ElasticConfig:
     """Also write one every this many seconds (at the next committed step), as ``checkpoint_steps`` does; 0: off."""
 
     checkpoint_keep: int = 3
-    """Periodic checkpoints kept (as HF's ``save_total_limit``): once one is on disk, all but the newest this many
-    are deleted. 0: keep every one."""
+    """Periodic checkpoints kept (as HF's ``save_total_limit``): once one is complete, all but the newest this many
+    complete ones are deleted, never the newest complete one. 0: keep every one."""
 
     resume: str | None = None
     """Start from a durable checkpoint: "auto" for the newest complete one in ``checkpoint_dir`` (from scratch if
-    there is none yet), or the path of one of its files. Any number of replicas may resume it. None: from
-    scratch."""
+    there is none yet), or the path of one (its ``step<N>`` directory). Any number of replicas, of any number of
+    procs, may resume it. None: from scratch."""
 
     fault: str | None = None
     """Opt-in fault injection for demos, tests and benchmarks, e.g. "sigkill:replica=1:step=20", or several
@@ -258,9 +260,9 @@ class ElasticConfig:
             raise ConfigError("`checkpoint_interval_s` needs `procs_per_replica` 1 (each proc of a replica would "
                               "go by its own clock and write its shard at another step): use `checkpoint_steps`",
                               "checkpoint_interval_s")
-        if self.resume not in (None, "auto") and not os.path.isfile(self.resume):
-            raise ConfigError(f"`resume`: no checkpoint file {self.resume}: give an existing one, or 'auto' for the "
-                              "newest in `checkpoint_dir`", "resume")
+        if self.resume not in (None, "auto") and not os.path.isfile(os.path.join(self.resume, ".metadata")):
+            raise ConfigError(f"`resume`: {self.resume} is not a complete checkpoint (a step<N> directory with DCP's "
+                              "`.metadata` in it): give one, or 'auto' for the newest in `checkpoint_dir`", "resume")
         if self.fault:
             from monarch_plugin.faults import parse_faults
 

@@ -34,6 +34,7 @@ from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
 from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
+from monarch_plugin.runlock import RunLock, checkpointing, hold
 from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
     Action,
@@ -57,7 +58,7 @@ from monarch_plugin.protocol import (
     unfit_members,
 )
 from monarch_plugin.target import Target
-from monarch_plugin.checkpoint import newest, newest_written, step_of
+from monarch_plugin.checkpoint import clean_stale, newest, newest_written, step_of
 
 __all__ = ["ElasticController", "RunResult"]
 
@@ -159,14 +160,15 @@ class _Replica:
 class ElasticController:
     """Runs `target` on `config.replicas` replica groups and keeps it running through worker deaths."""
 
-    def __init__(self, config: ElasticConfig, target: Target, launch: Launch | None = None):
+    def __init__(self, config: ElasticConfig, target: Target, launch: Launch | None = None,
+                 held: list[RunLock] | None = None):
         """`launch` starts a replica's procs and its two actors; Monarch's proc meshes unless given (a benchmark
-        gives its own, to drive this controller with more simulated replicas than a machine holds processes)."""
+        gives its own, to drive this controller with more simulated replicas than a machine holds processes).
+        `held`: the run's files, already held by its caller (`runlock.hold`, which `run` calls otherwise)."""
         config.validate()
         resolve_backend(config.backend)
         self._resume_asked = config.resume is not None
-        if config.resume == "auto":  # the replicas all load the same one, found once here
-            config = replace(config, resume=newest(config.checkpoint_dir, config.procs_per_replica))
+        self._held = held
         self.config = config
         self.target = target
         self.events = EventLog(config.events_path, source="controller")
@@ -213,6 +215,7 @@ class ElasticController:
         faults.active = self
         # A signal with notice to this process (a preemption, `scancel`, `kill`) stops the run with a checkpoint.
         # Python sets handlers only from the main thread, where the controller runs under every front end.
+        locks = hold(self.config) if self._held is None else []  # before anything is spawned
         previous = ({sig: signal.signal(sig, self._on_signal) for sig in NOTICE_SIGNALS}
                     if threading.current_thread() is threading.main_thread() else {})
         try:
@@ -220,6 +223,12 @@ class ElasticController:
             self.store.set(Key.LATEST, "-1")
             if self.config.events_path:  # one file per run, so reports never mix runs
                 open(self.config.events_path, "w").close()
+            if checkpointing(self.config):  # this run holds the checkpoint directory: what a killed run left half-written goes
+                stale = clean_stale(self.config.checkpoint_dir)
+                if stale:
+                    self.events.emit("checkpoint_cleaned", paths=stale)
+            if self.config.resume == "auto":  # the replicas all load the same one, found once here
+                self.config = replace(self.config, resume=newest(self.config.checkpoint_dir))
             self.events.emit(
                 "run_start", target=self.target.describe(), replicas=self.config.replicas,
                 min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,
@@ -250,6 +259,8 @@ class ElasticController:
             faults.active = None
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            for lock in locks:
+                lock.release()
 
     # -- spawning ------------------------------------------------------------------------------------------
 
@@ -917,7 +928,7 @@ class ElasticController:
         still on disk), else the one it resumed from: what a generation left without a holder restores. Never
         another run's: a checkpoint in the same directory that this run did not write was never its state."""
         paths = [e["path"] for e in read_events(self.config.events_path or "") if e["event"] == "checkpoint"]
-        return newest_written(paths, self.config.procs_per_replica) or self.config.resume
+        return newest_written(paths) or self.config.resume
 
     def _newest_checkpoint(self, live: list[int]) -> str | None:
         """The checkpoint to resume a stopped run from, when none was written on the way out: the newest one the

@@ -19,9 +19,10 @@ logger = logging.getLogger("monarch_plugin")
 
 LEVELS = {
     **dict.fromkeys(("spawn", "ready", "quorum", "join", "join_retry", "dropped_step", "heal", "first_commit",
-                     "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver", "restored"),
+                     "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver", "restored",
+                     "checkpoint_pruned"),
                     logging.DEBUG),
-    **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "give_up",
+    **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "checkpoint_skipped", "give_up",
                      "host_unreachable", "host_refused", "unfit", "host_watch_error"), logging.WARNING),
 }
 """The log level of each event kind (INFO if not listed). The steps of a recovery are DEBUG: the controller logs

@@ -261,7 +261,7 @@ class MonarchElasticCallback(TrainerCallback):
                 f"MonarchElasticCallback writes into every checkpoint as {_STREAM_STATE}; {path} does not exist: "
                 "resume from a checkpoint this callback wrote under monarch-run"
             )
-        return torch.load(path)
+        return torch.load(path, weights_only=True)
 
     def _save_stream_position(self, folder: str) -> None:
         if self._stream is not None:

@@ -4,7 +4,7 @@ Lightning's `TorchCheckpointIO` writes a checkpoint by opening its final name an
 killed mid-write (its controller lost, its machine gone) leaves a truncated `.ckpt` under that name, the newest
 one, which `fit(ckpt_path=...)` then fails to load, or `ModelCheckpoint` counts as saved. `MonarchStrategy` uses
 this IO unless `Trainer(plugins=[...])` names another: local files go to a temporary name, are fsynced and renamed
-(the runtime's own `worker.checkpoint.save`); a remote URL (`s3://...`) keeps Lightning's way.
+(the runtime's own `checkpoint.save_file`); a remote URL (`s3://...`) keeps Lightning's way.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from monarch_plugin.checkpoint import save
+from monarch_plugin.checkpoint import save_file
 
 __all__ = ["AtomicCheckpointIO"]
 
@@ -28,4 +28,4 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         get_filesystem(path).makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        save(checkpoint, str(path))
+        save_file(checkpoint, str(path))

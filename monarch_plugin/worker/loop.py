@@ -14,16 +14,19 @@ replica. Under plain `python` it is an ordinary single-process loop.
 from __future__ import annotations
 
 import contextlib
-import os
+import re
+import threading
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
+from monarch_plugin.checkpoint import complete, newest, step_path
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
-from monarch_plugin.checkpoint import CheckpointWriter, file_name, lane_file, newest, save
+from monarch_plugin.worker.checkpoint_writer import CheckpointWriter, native_rng, portable_rng
+from monarch_plugin.worker.dtensors import is_dtensor
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
@@ -115,10 +118,12 @@ class ElasticLoop:
         )
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
         config = self.config
+        self._lanes, self._lane = (self.ctx.procs_per_replica, self.ctx.local_rank) if self.ctx else (1, 0)
+        self._trainer = threading.current_thread()
+        self._group = None  # `_checkpoint_group`
         self._checkpoints = (
             CheckpointWriter(config.checkpoint_dir, config.checkpoint_steps, config.checkpoint_interval_s,
-                             self.ctx.local_rank, self.ctx.procs_per_replica, self.ctx.events.emit,
-                             keep=config.checkpoint_keep)
+                             self._lane == 0, self.ctx.events.emit, keep=config.checkpoint_keep)
             if self.ctx and (config.checkpoint_steps or config.checkpoint_interval_s) else None
         )
         if self.ctx and self.ctx.initial and config.resume:  # a replacement heals from its peers instead
@@ -157,6 +162,10 @@ class ElasticLoop:
         finally:
             if self._checkpoints is not None:
                 self._checkpoints.wait()  # the last one written is on disk before the loop ends
+            if self._group is not None:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(self._group)
             if self.tx:
                 self.tx.close()
 
@@ -214,8 +223,22 @@ class ElasticLoop:
         if self.tx:
             self.tx.committed(step.number)
         if self._checkpoints is not None and self.rank == 0 and self._checkpoints.due(self.step):
-            self._checkpoints.write(self.step, self.state_dict())
+            self._periodic_checkpoint()
         return True
+
+    def _periodic_checkpoint(self) -> None:
+        """Write this step's checkpoint in the background, or skip it if the previous write is still going: waiting
+        would stall the step on the disk. The replica's procs skip or write together (their write is one DCP save)."""
+        busy = self._checkpoints.busy()
+        if self.tx is not None:
+            busy = self.tx.session.any_of(busy)
+        if busy:
+            if self._lane == 0:
+                self.ctx.events.emit("checkpoint_skipped", step=self.step, message=(
+                    f"the checkpoint of step {self.step} is skipped: the previous one is still being written (a slow "
+                    "disk? raise `checkpoint_steps`)"))
+            return
+        self._checkpoints.write(self.step, self.checkpoint_state(), self._checkpoint_group())
 
     def _weight(self, batch: list[int], lanes: int) -> float:
         """This replica's factor in the sum over replicas, so that the sum is the global-batch mean. The batch is
@@ -261,41 +284,115 @@ class ElasticLoop:
             self.extra_state.load_state_dict(state["extra"])
 
     @property
+    def device_mesh(self):
+        """The mesh a model sharded over the replica's procs (FSDP2's `fully_shard`) lies on, which a heal rebuilds
+        the shards it receives on; None for a model each proc holds whole."""
+        return next((p.device_mesh for p in self.model.parameters() if is_dtensor(p)), None)
+
+    @property
     def _device(self) -> torch.device:
         """Where this proc trains: its GPU under nccl, the CPU otherwise."""
         return self.tx.device if self.tx else torch.device("cpu")
 
+    # -- durable checkpoints -------------------------------------------------------------------------------
+
+    def checkpoint_state(self, lane: int | None = None) -> dict:
+        """The state a durable checkpoint holds, as DCP writes it: the model's and optimizer's tensors by name
+        (sharded as this proc holds them), the loop's counters once, and this proc's random generators as
+        `lane{k}`. With `lane`, what loading lane `lane`'s generators into this proc reads."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # DCP's: not at a replica's start
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        loop = {"sampler": self.sampler.state_dict(), "step": self.step}
+        if self.scheduler is not None:
+            loop["scheduler"] = self.scheduler.state_dict()
+        if self.extra_state is not None:
+            loop["extra"] = self.extra_state.state_dict()
+        rng = portable_rng(rng_state(self._device))
+        return {"model": model, "optimizer": optimizer, "loop": loop,
+                f"lane{self._lane if lane is None else lane}": rng}
+
+    def _checkpoint_group(self):
+        """The group this replica's procs write and read checkpoints on: a gloo group of their own over their default
+        group (the replica's procs, as monarch-run sets it), so that DCP's collectives, which run on the writing
+        thread, never interleave with FSDP's. None for a one-proc replica. Formed by the training thread at the
+        first checkpoint its procs write or read together."""
+        if self.ctx is None or self._lanes == 1 or self._group is not None:
+            return self._group
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() != self._lanes:
+            raise ValueError(f"a replica of {self._lanes} procs writes and reads its checkpoints together over its "
+                             "procs' default group: call torch.distributed.init_process_group() in the training "
+                             "script (monarch-run sets its environment: this replica's procs) before ElasticLoop")
+        self._group = dist.new_group(backend="gloo", group_desc="monarch_plugin_checkpoint")
+        return self._group
+
     def _write_checkpoint(self, committed: int) -> str | None:
-        """The controller gave up: the generation's first replica saves every proc's state (`resume` loads it)."""
+        """The controller gave up: every proc of the generation's first replica writes its part of the checkpoint of
+        the step its state holds (`resume` loads it); its path on local rank 0. After the training code raised, the
+        raiser alone is left to write: a proc of a multi-proc replica holds only its part, so it writes none."""
+        if self._lanes > 1 and threading.current_thread() is not self._trainer:
+            return None
         if self._checkpoints is not None:
             self._checkpoints.wait()
-        directory = self.config.checkpoint_dir
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, file_name(committed, self.ctx.local_rank, self.ctx.procs_per_replica))
-        save(self.state_dict(), path)
-        return os.path.abspath(path)
+        from monarch_plugin.worker import dcp_io
+
+        path = step_path(self.config.checkpoint_dir, self.step)
+        dcp_io.save(self.checkpoint_state(), path, self._checkpoint_group())
+        return path if self._lane == 0 else None
 
     def _restore(self, path: str) -> int:
         """A RESTORE generation (no replica left holding the run's state): load the run's checkpoint mid-run."""
+        if self._checkpoints is not None:
+            self._checkpoints.wait()  # its group is the one the load reads on
         self.resume(path)
         return self.step
 
     def resume(self, path: str) -> bool:
-        """Load a durable checkpoint (before iterating): one of its files, or "auto" for the newest complete one
-        in `checkpoint_dir`. Under `monarch-run --resume` the initial replicas call it themselves. False if
-        "auto" found none."""
-        lanes, lane = (self.ctx.procs_per_replica, self.ctx.local_rank) if self.ctx else (1, 0)
+        """Load a durable checkpoint (before iterating): its `step<N>` directory, or "auto" for the newest complete
+        one in `checkpoint_dir`. Under `monarch-run --resume` the initial replicas call it themselves. False if
+        "auto" found none.
+
+        It may have been written by replicas of another number of procs: DCP reshards the model and optimizer onto
+        this proc's part. Each proc takes the random generators of the proc of its local rank that wrote it; when
+        there are more procs now, local rank k takes those of k modulo the procs that wrote (two procs then draw
+        the same numbers, as the replicas do), and when there are fewer, the extra procs' generators are left."""
         if path == "auto":
-            path = newest(self.config.checkpoint_dir, lanes)
+            path = newest(self.config.checkpoint_dir)
             if path is None:
                 return False
-        path = lane_file(path, lane)
+        if not complete(path):
+            raise ValueError(f"{path} is not a complete checkpoint (no DCP metadata in it): give a step<N> directory "
+                             "that a run finished writing, or 'auto' for the newest complete one")
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from monarch_plugin.worker import dcp_io  # DCP: imported when a checkpoint is read, not at a replica's start
+
+        saved = {key.split(".")[0] for key in dcp_io.read_metadata(path).state_dict_metadata
+                 if key.startswith("lane")}
+        lane = self._lane % len(saved) if saved else self._lane
         try:
-            self.load_state_dict(torch.load(path, weights_only=False))
-        except (RuntimeError, KeyError, ValueError) as e:  # missing or unexpected keys, other shapes
-            raise ValueError(f"the checkpoint {path} is not of this model and optimizer ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:240]}): resume from this model's `checkpoint_dir`, or drop "
+            state = dcp_io.load(self.checkpoint_state(lane), path, self._checkpoint_group())
+        except (Exception, dcp_io.CheckpointException) as e:  # DCP's wraps a missing key, another shape
+            code = re.search(r"GLOBAL (\S+)", str(e))
+            if code:
+                raise ValueError(f"the checkpoint {path} holds an object that loading would run code for "
+                                 f"({code[1]}): it is not loaded; give `extra_state` a state_dict of tensors, "
+                                 "numbers and strings, or drop `resume`") from e
+            raise ValueError(f"the checkpoint {path} is not of this model and optimizer ("
+                             f"{dcp_io.describe(e)[:240]}): resume from this model's `checkpoint_dir`, or drop "
                              "`resume`") from e
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        loop = state["loop"]
+        self.sampler.load_state_dict(loop["sampler"])
+        self.step = loop["step"]
+        if self.scheduler is not None and "scheduler" in loop:
+            self.scheduler.load_state_dict(loop["scheduler"])
+        if self.extra_state is not None and "extra" in loop:
+            self.extra_state.load_state_dict(loop["extra"])
+        set_rng_state(native_rng(state[f"lane{lane}"]), self._device)
         if self.tx:
             self.tx.session.fresh = False
         return True

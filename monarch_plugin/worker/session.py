@@ -389,6 +389,11 @@ class ReplicaSession:
                                 f"({int(-vote[3])} and {int(vote[2])}): a bug in monarch-plugin")
         return bool(vote[0] > 0), bool(vote[1] > 0), (int(-vote[5]), int(vote[4]))
 
+    def any_of(self, flag: bool) -> bool:
+        """Whether `flag` holds in any proc of this replica: a decision its procs take together between steps (to skip
+        a checkpoint whose previous write one of them is still doing). As a vote, so a silent sibling counts as True."""
+        return self._vote(failed=flag, gen=self.gen)[0]
+
     def finish(self) -> bool:
         """Leave together: True once every member of this generation has reached the end of training.
 

@@ -126,9 +126,10 @@ class StepTransaction:
             session.join(committed)
         self._hold(session.provider.step)
         if session.action == Action.CHECKPOINT:
-            path = self._give_up(committed) if self.rank == 0 else None
+            held = session.provider.step  # past `committed` if the join healed this proc
+            path = self._give_up(held) if self.rank == 0 else None
             if path is not None:
-                self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=committed, path=path)
+                self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=held, path=path)
             raise StopReplica("the controller gave up; checkpoint written", checkpoint=path)
         self._on_join()
         return True

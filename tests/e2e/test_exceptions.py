@@ -98,7 +98,7 @@ def test_the_same_exception_at_the_same_step_in_both_replicas_stops_with_a_check
     assert stopped.output.count("--- replica 0 traceback ---") >= 1 and "--- replica 1 traceback ---" in stopped.output
     [give_up] = stopped.events("give_up")
     path = give_up["checkpoint"]
-    assert path and path.endswith("step00000006-local0-of1.pt") and f"checkpoint written to {path}" in stopped.output
+    assert path and path.endswith("step00000006") and f"checkpoint written to {path}" in stopped.output
     assert torch.load(path, weights_only=False)["step"] == 6
     assert {j["replica"] for j in stopped.events("join")} == {0, 1}  # no replacement joined
     _no_orphans(stopped)

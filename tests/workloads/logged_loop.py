@@ -1,9 +1,10 @@
 """The plain ElasticLoop with Adam and an LR schedule, logging every committed step: for resume and hang tests.
 
-The generation's rank 0 appends one JSON line per committed step to DIR/steps.jsonl: the step, its epoch, the
+The generation's rank 0 (its local rank 0) appends one JSON line per committed step to DIR/steps.jsonl: the step, its epoch, the
 global batch it trained (every replica's share, summed in the step's own transaction), the global-batch mean loss
 and the live replica count. Run it under `monarch-run --checkpoint-steps N [--resume auto]`; DIR/result-<id>.json
 holds each replica's final step and weights checksum. `--straggler R --straggle S` makes replica R slow but alive.
+`--fsdp` shards the model over the replica's procs (`--procs-per-replica`) with FSDP2 on their default group.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from _toy import toy_problem
 from torch import nn
 
 from monarch_plugin import ElasticLoop, weights_checksum, worker_context
+from monarch_plugin.checksum import state_checksum
 
 p = argparse.ArgumentParser()
 p.add_argument("--samples", type=int, default=240)
@@ -29,10 +31,17 @@ p.add_argument("--straggler", type=int, default=None, help="this replica is slow
 p.add_argument("--straggle", type=float, default=0.0)
 p.add_argument("--straggle-until", type=int, default=0)
 p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d in the model, whose statistics a forward moves")
+p.add_argument("--fsdp", action="store_true", help="fully_shard the model over this replica's procs")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
 x, y, model = toy_problem(args.samples, args.batchnorm)
+if args.fsdp:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")  # env:// as monarch-run set it: this replica's procs only
+    fully_shard(model)
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples, global_batch_size=args.batch,
@@ -47,11 +56,18 @@ for step in loop:
         time.sleep(args.straggle)
     counts = torch.zeros(args.samples)
     counts[idx] = 1.0
-    if step.commit(loss_sum=loss.detach() * len(idx), seen=counts) and step.rank == 0:
+    loss_sum = loss.detach() * len(idx)
+    if args.fsdp:  # the replica's procs' together: the step's metrics sum lane k over the replicas
+        dist.all_reduce(counts)
+        dist.all_reduce(loss_sum)
+    if step.commit(loss_sum=loss_sum, seen=counts) and step.rank == 0 and ctx.local_rank == 0:
         batch = step.metrics["seen"].nonzero().flatten().tolist()
         record = {"step": step.number, "epoch": step.epoch, "batch": batch, "replicas": step.num_replicas,
                   "loss": step.metrics["loss_sum"] / len(batch)}
         with open(os.path.join(args.out, "steps.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
-with open(os.path.join(args.out, f"result-{ctx.replica_id}.json"), "w") as f:
-    json.dump({"replica": ctx.replica_id, "step": loop.step, "checksum": weights_checksum(model)}, f)
+checksum = (state_checksum({k: v.full_tensor() for k, v in model.state_dict().items()}) if args.fsdp
+            else weights_checksum(model))
+if ctx.local_rank == 0:
+    with open(os.path.join(args.out, f"result-{ctx.replica_id}.json"), "w") as f:
+        json.dump({"replica": ctx.replica_id, "step": loop.step, "checksum": checksum}, f)

@@ -1,0 +1,93 @@
+"""A run's hold on the files it writes: its events file and its checkpoint directory, one run each.
+
+Two runs pointed at one checkpoint directory would prune each other's checkpoints and could resume one assembled
+from both; two on one events file would truncate and interleave each other's records. So a run holds both for
+itself from before anything is spawned until it ends, and a second run is refused, naming the first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.errors import ConfigError
+
+__all__ = ["RunLock", "checkpointing", "hold"]
+
+LOCK_NAME = ".lock"
+"""The lock file in a checkpoint directory; an events file's is beside it, `<events>.lock`."""
+
+
+def checkpointing(config: ElasticConfig) -> bool:
+    """Whether the run writes or resumes `ElasticLoop` checkpoints (a framework front end writes its own)."""
+    return bool(config.checkpoint_steps or config.checkpoint_interval_s or config.resume)
+
+
+def hold(config: ElasticConfig) -> list["RunLock"]:
+    """The run's events file and, if it writes or resumes `ElasticLoop` checkpoints, its checkpoint directory, held
+    until each lock is released; ConfigError naming the run that holds one."""
+    locks: list[RunLock] = []
+    try:
+        if config.events_path:
+            locks.append(RunLock(f"{config.events_path}.lock", f"the events file {config.events_path}",
+                                 "events_path"))
+        if checkpointing(config):
+            locks.append(RunLock(os.path.join(config.checkpoint_dir, LOCK_NAME),
+                                 f"the checkpoint directory {config.checkpoint_dir}", "checkpoint_dir"))
+    except ConfigError:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
+class RunLock:
+    """A run's hold on a file or directory it writes (its checkpoint directory, its events file): an exclusive
+    `flock` on a lock file, taken without waiting, held until `release` or the process's end. The kernel releases
+    it when the holder dies however it dies, so a crashed run's successor takes it over at once.
+
+    On a local filesystem this is exact. On NFS, Linux emulates `flock` with the server's byte-range locks (NFSv4,
+    or NLM for v3 with lockd running): it excludes runs on other clients too, and a crashed client's lock is freed
+    when its lease expires (90 s by default), so a successor on another machine is refused until then. Filesystems
+    without locks (some FUSE mounts, object-store mounts) either refuse the lock, which is reported, or grant it to
+    everyone, which excludes nothing: give such runs their own directories."""
+
+    def __init__(self, path: str, what: str, option: str):
+        """`path`: the lock file. `what` names what it guards and `option` the setting to change, in messages."""
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(os.pread(self._fd, 4096, 0))
+            os.close(self._fd)
+            raise ConfigError(f"{what} is in use by another run ({holder}): give this run its own `{option}`, or stop "
+                              "that run first", option) from None
+        except OSError as e:
+            os.close(self._fd)
+            raise ConfigError(f"{what} cannot be locked for this run ({e}): its filesystem has no locks; give this run "
+                              f"a `{option}` on one that has", option) from None
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                             "command": " ".join(sys.argv)[:300]}).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, record, 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor of the open file releases its lock
+            self._fd = None
+
+
+def _describe(record: bytes) -> str:
+    try:
+        holder = json.loads(record)
+        return (f"pid {holder['pid']} on {holder['host']}, `{holder['command']}`, since "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['since']))}")
+    except (ValueError, KeyError, TypeError):
+        return "its process is still running"

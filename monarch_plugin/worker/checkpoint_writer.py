@@ -1,0 +1,109 @@
+"""A replica's periodic checkpoints, written off the step's critical path: a copy at the step boundary, written by
+a thread (`CheckpointWriter`), and the random generators in types a checkpoint loads without running code."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from monarch_plugin.checkpoint import prune, step_path
+from monarch_plugin.worker.dtensors import is_dtensor
+
+__all__ = ["CheckpointWriter", "detached_copy", "native_rng", "portable_rng"]
+
+
+class CheckpointWriter:
+    """Writes a replica's periodic checkpoints from a thread: `due(step)` says whether step `step` is one to keep;
+    `busy()` whether the previous write is still going (the caller skips the new one then, never waiting: a slow
+    disk must not stall training); `write` copies the state now and saves it in the background on `group`. A write
+    that fails (a full disk) is reported as a `checkpoint_failed` event and training goes on; the proc that
+    coordinates the write (the group's rank 0) reports it and prunes once it is complete."""
+
+    def __init__(self, directory: str, every_steps: int, every_s: float, coordinator: bool,
+                 emit: Callable[..., None], keep: int = 0):
+        self._directory, self._every_steps, self._every_s, self._keep = directory, every_steps, every_s, keep
+        self._coordinator, self._emit = coordinator, emit
+        self._last_at = time.monotonic()
+        self._thread: threading.Thread | None = None
+
+    def due(self, step: int) -> bool:
+        if self._every_steps and step % self._every_steps == 0:
+            return True
+        return bool(self._every_s) and time.monotonic() - self._last_at >= self._every_s
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def write(self, step: int, state: dict, group: dist.ProcessGroup | None) -> None:
+        copy = detached_copy(state)
+        self.wait()
+        self._last_at = time.monotonic()
+        self._thread = threading.Thread(target=self._save, args=(step, copy, group), daemon=True,
+                                        name="monarch-plugin-checkpoint")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Until the write in progress (if any) is on disk; before the loop ends, so the last one is kept."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _save(self, step: int, state: dict, group: dist.ProcessGroup | None) -> None:
+        t0 = time.monotonic()
+        path = step_path(self._directory, step)
+        from monarch_plugin.worker import dcp_io  # here, not at the replica's start (`dcp_io`)
+
+        try:
+            dcp_io.save(state, path, group)
+        except (Exception, dcp_io.CheckpointException) as e:  # noqa: BLE001 - a lost checkpoint stops nothing
+            if self._coordinator:
+                self._emit("checkpoint_failed", step=step, path=path, error=dcp_io.describe(e)[:500])
+            return
+        if not self._coordinator:
+            return
+        self._emit("checkpoint", step=step, path=path, seconds=round(time.monotonic() - t0, 3), periodic=True)
+        if self._keep:
+            removed = prune(self._directory, self._keep)
+            if removed:
+                self._emit("checkpoint_pruned", paths=removed)
+
+
+def portable_rng(state: dict) -> dict:
+    """A proc's random generators (`transaction.rng_state`) in the types a checkpoint loads without running code:
+    NumPy's key array as a tensor, its other fields and Python's state as plain numbers."""
+    out = dict(state)
+    if "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        out["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "rest": [name, int(pos), int(has_gauss),
+                                                                                   float(cached)]}
+    return out
+
+
+def native_rng(state: dict) -> dict:
+    """What `portable_rng` made, back in the types the generators take."""
+    out = dict(state)
+    if "numpy" in state:
+        name, pos, has_gauss, cached = state["numpy"]["rest"]
+        out["numpy"] = (name, state["numpy"]["keys"].numpy().astype("uint32"), pos, has_gauss, cached)
+    out["python"] = (state["python"][0], tuple(state["python"][1]), state["python"][2])
+    return out
+
+
+def detached_copy(obj: Any) -> Any:
+    """The state as it is now, in memory the training step does not touch: tensors cloned to the CPU (a DTensor's
+    local shard, kept in its DTensor so DCP still knows where the shard lies)."""
+    if is_dtensor(obj):
+        local = obj.to_local().detach().to("cpu", copy=True)
+        return type(obj).from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                  stride=obj.stride())
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, detached_copy(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(detached_copy(v) for v in obj)
+    return obj

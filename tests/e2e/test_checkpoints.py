@@ -1,0 +1,89 @@
+"""Durable checkpoints of the plain loop, end to end under `monarch-run`: a lane's failed write never costs the newest
+complete checkpoint, a run with another number of replicas *and* of procs per replica resumes it exactly, and a
+second run on the same files is refused. Real Monarch procs, FSDP2 over a replica's procs on gloo, a real SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import WORKLOADS
+
+pytestmark = pytest.mark.timeout(300)
+
+SAMPLES, BATCH, EPOCHS, EVERY = 240, 24, 3, 4  # 10 steps an epoch
+TOTAL = EPOCHS * SAMPLES // BATCH
+LOOP = ("--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS), "--step-sleep", "0.15")
+
+
+def _steps(run) -> list[dict]:
+    path = run.out / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_lanes_failed_write_keeps_the_newest_complete_checkpoint_which_another_shape_resumes_exactly(elastic_run):
+    """2 replicas of 2 FSDP procs checkpoint every 4 steps, keeping 1; from step 12 on, lane 1's file name is taken
+    by a directory, so its writes fail while lane 0's succeed. The controller is SIGKILLed after such a failure:
+    step 8's checkpoint is still there, whole (a lane pruning by itself once deleted it), and 3 replicas of 1 proc
+    each, without FSDP, resume it: the same global batches from step 8 on, every sample once per epoch."""
+    first = elastic_run()
+    ckpt = first.tmp / "ckpt"
+    first.start("--replicas", "2", "--procs-per-replica", "2", "--checkpoint-steps", str(EVERY), "--checkpoint-keep",
+                "1", script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--fsdp", "--out", str(first.out)))
+    first.wait_for(lambda: first.events("checkpoint"), timeout=120, what="the first checkpoint")
+    for step in range(12, TOTAL + 1, EVERY):
+        os.makedirs(ckpt / f"step{step:08d}" / "__1_0.distcp")  # lane 1's part of that checkpoint: a directory
+    first.wait_for(lambda: first.events("checkpoint_failed"), timeout=120, what="a failed checkpoint write")
+    first.kill_controller()
+    assert [e["step"] for e in first.events("checkpoint")] == [4, 8], first.events("checkpoint")
+    assert first.events("checkpoint_failed")[0]["step"] == 12 and "IsADirectoryError" in \
+        first.events("checkpoint_failed")[0]["error"]
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step"))[0] == "step00000008"
+    before = _steps(first)
+    assert len(before) >= 12
+
+    resumed = elastic_run()
+    resumed.start("--replicas", "3", "--checkpoint-steps", str(EVERY), "--checkpoint-dir", str(ckpt), "--resume",
+                  "auto", script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(resumed.out)))
+    assert resumed.wait(timeout=180) == 0, resumed.output
+    [cleaned] = resumed.events("checkpoint_cleaned")  # the failed writes the SIGKILL left
+    assert sorted(os.path.basename(p) for p in cleaned["paths"])[0] == "step00000012"
+    [resume] = resumed.events("resume")
+    assert resume["path"] == str(ckpt / "step00000008")
+    after = _steps(resumed)
+    assert [r["step"] for r in after] == list(range(8, TOTAL)) and {r["replicas"] for r in after} == {3}
+    for old, new in zip(before[8:], after):
+        assert old["batch"] == new["batch"] and old["epoch"] == new["epoch"], (old, new)
+        assert new["loss"] == pytest.approx(old["loss"], rel=1e-4), (old, new)
+    trained = before[:8] + after
+    for epoch in range(EPOCHS):  # every sample once per epoch, over both runs
+        seen = sorted(i for r in trained if r["epoch"] == epoch for i in r["batch"])
+        assert seen == list(range(SAMPLES)), epoch
+    results = resumed.results()
+    assert {r["step"] for r in results.values()} == {TOTAL} and len({r["checksum"] for r in results.values()}) == 1
+
+
+def test_a_second_run_on_the_same_checkpoint_directory_or_events_file_is_refused_naming_the_first(elastic_run):
+    first = elastic_run()
+    ckpt = first.tmp / "ckpt"
+    first.start("--replicas", "2", "--checkpoint-steps", str(EVERY), script=WORKLOADS / "logged_loop.py",
+                script_args=(*LOOP, "--out", str(first.out)))
+    first.wait_for(lambda: first.events("run_start"), timeout=60, what="the first run's start")
+    cli = [sys.executable, "-m", "monarch_plugin.cli"]
+    script = [str(WORKLOADS / "logged_loop.py"), *LOOP, "--out", str(first.out)]
+    second = subprocess.run([*cli, "--events", str(first.tmp / "second.jsonl"), "--checkpoint-dir", str(ckpt),
+                             "--checkpoint-steps", "2", *script], capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2, second.stderr
+    assert f"the checkpoint directory {ckpt} is in use by another run (pid {first.proc.pid} on " in second.stderr
+    assert "give this run its own --checkpoint-dir, or stop that run first" in second.stderr
+    third = subprocess.run([*cli, "--events", str(first.events_path), *script], capture_output=True, text=True,
+                           timeout=60)
+    assert third.returncode == 2 and f"the events file {first.events_path} is in use by another run" in third.stderr
+    assert first.wait(timeout=180) == 0, first.output
+    assert len(first.events("run_start")) == 1 and first.events("finished")  # never truncated by the others
+    assert not (first.tmp / "second.jsonl").exists()  # refused before anything was started or written

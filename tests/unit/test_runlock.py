@@ -1,0 +1,48 @@
+"""A run's hold on its files: a second run refused naming the first, a dead run's hold taken over at once. The
+e2e half (two `monarch-run`s on one checkpoint directory) is in tests/e2e/test_checkpoints.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from monarch_plugin import ConfigError, ElasticConfig
+from monarch_plugin.runlock import RunLock, hold
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_second_run_is_refused_naming_the_first_and_a_dead_runs_lock_is_taken_over(tmp_path):
+    path = str(tmp_path / ".lock")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from monarch_plugin.runlock import RunLock\n"
+                               f"RunLock({path!r}, 'x', 'checkpoint_dir'); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"the checkpoint directory d is in use by another run \(pid "
+                                              rf"{holder.pid} on .*give this run its own `checkpoint_dir`"):
+            RunLock(path, "the checkpoint directory d", "checkpoint_dir")
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = RunLock(path, "the checkpoint directory d", "checkpoint_dir")  # its holder died: the lock died with it
+    lock.release()
+    RunLock(path, "d", "checkpoint_dir").release()  # and released, it is free again
+
+
+def test_a_run_holds_its_checkpoint_directory_only_if_it_writes_or_resumes_checkpoints(tmp_path):
+    events = str(tmp_path / "events.jsonl")
+    plain = hold(ElasticConfig(events_path=events, checkpoint_dir=str(tmp_path / "a")))
+    assert [lock.path for lock in plain] == [f"{events}.lock"] and not (tmp_path / "a").exists()
+    with pytest.raises(ConfigError, match=r"the events file .*events.jsonl is in use by another run \(pid \d+"):
+        hold(ElasticConfig(events_path=events, checkpoint_steps=5, checkpoint_dir=str(tmp_path / "b")))
+    assert not (tmp_path / "b" / ".lock").exists()  # refused first: the directory's lock was never taken
+    for lock in plain:
+        lock.release()
+    writing = hold(ElasticConfig(events_path=events, checkpoint_steps=5, checkpoint_dir=str(tmp_path / "b")))
+    assert [lock.path for lock in writing] == [f"{events}.lock", str(tmp_path / "b" / ".lock")]
+    for lock in writing:
+        lock.release()
