@@ -19,6 +19,10 @@ only what an allow-list admits.
 The run holds its checkpoint directory and its events file for itself (`runlock`): a second run pointed at them
 is refused, naming the first. Pruning keeps the newest `checkpoint_keep` complete checkpoints and never the
 newest complete one; what a crashed run left half-written is removed when the next run takes the directory.
+
+`checkpoint_dir` may be an fsspec URL (``s3://bucket/run``; needs fsspec and that filesystem's package): written
+and read the same way, but not locked (object stores have no locks) nor cleaned at start (without a lock, a write
+there may be another run's).
 """
 
 from __future__ import annotations
@@ -31,21 +35,66 @@ import torch
 
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["checkpoints", "clean_stale", "complete", "newest", "newest_written", "prune", "save_file", "step_of",
-           "step_path"]
+__all__ = ["checkpoints", "clean_stale", "complete", "is_url", "newest", "newest_written", "prune", "save_file",
+           "step_of", "step_path"]
 
 _NAME = re.compile(r"step(?P<step>\d{8})")
 _METADATA = ".metadata"
 
 
+def is_url(path: str) -> bool:
+    """Whether `path` names another filesystem through fsspec (``s3://bucket/ckpt``, ``memory://...``)."""
+    return "://" in path
+
+
+def _fs(path: str):
+    """The fsspec filesystem of the URL `path`."""
+    try:
+        from fsspec.core import url_to_fs
+    except ImportError:
+        raise ConfigError(f"`checkpoint_dir` {path} is an fsspec URL: pip install fsspec and the package of its "
+                          "filesystem (s3fs, gcsfs, ...), or give a local path", "checkpoint_dir") from None
+    return url_to_fs(path)[0]
+
+
+def _join(directory: str, name: str) -> str:
+    return f"{directory.rstrip('/')}/{name}" if is_url(directory) else os.path.join(os.path.abspath(directory), name)
+
+
+def _names(directory: str) -> list[str]:
+    """What `directory` holds, by name; nothing if it does not exist."""
+    if is_url(directory):
+        fs = _fs(directory)
+        if not fs.exists(directory):
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(directory, detail=False)]
+    try:
+        return os.listdir(directory)
+    except FileNotFoundError:
+        return []
+
+
+def _is_dir(path: str) -> bool:
+    return _fs(path).isdir(path) if is_url(path) else os.path.isdir(path)
+
+
+def _remove(path: str) -> None:
+    if is_url(path):
+        _fs(path).rm(path, recursive=True)
+    elif os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        os.remove(path)
+
+
 def step_path(directory: str, step: int) -> str:
-    """The checkpoint of committed step `step` in `directory`."""
-    return os.path.join(os.path.abspath(directory), f"step{step:08d}")
+    """The checkpoint of committed step `step` in `directory` (a local path, or an fsspec URL)."""
+    return _join(directory, f"step{step:08d}")
 
 
 def step_of(path: str) -> int:
     """The committed steps held by the checkpoint at `path`, read from its name."""
-    match = _NAME.fullmatch(os.path.basename(os.path.normpath(path)))
+    match = _NAME.fullmatch(path.rstrip("/").rsplit("/", 1)[-1])
     if match is None:
         raise ConfigError(f"`resume`: {path} is not a checkpoint of this runtime (a step<N> directory): give one "
                           "of those, or 'auto' for the newest in `checkpoint_dir`", "resume")
@@ -54,18 +103,14 @@ def step_of(path: str) -> int:
 
 def complete(path: str) -> bool:
     """Whether every proc's part of the checkpoint at `path` is in place: DCP wrote its metadata last."""
-    return os.path.isfile(os.path.join(path, _METADATA))
+    metadata = _join(path, _METADATA)
+    return _fs(path).isfile(metadata) if is_url(path) else os.path.isfile(metadata)
 
 
 def checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of every checkpoint directory in `directory`, complete or not, oldest first."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    found = [(int(m["step"]), os.path.join(os.path.abspath(directory), m[0]))
-             for m in map(_NAME.fullmatch, names) if m]
-    return sorted(p for p in found if os.path.isdir(p[1]))
+    found = [(int(m["step"]), _join(directory, m[0])) for m in map(_NAME.fullmatch, _names(directory)) if m]
+    return sorted(p for p in found if _is_dir(p[1]))
 
 
 def newest(directory: str) -> str | None:
@@ -92,24 +137,17 @@ def prune(directory: str, keep: int) -> list[str]:
     newest_step = step_of(done[-1])
     removed = [path for step, path in found if path not in kept and step <= newest_step]
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
     return removed
 
 
 def clean_stale(directory: str) -> list[str]:
     """At the start of a run that holds `directory`: remove the incomplete checkpoints and temporary files an earlier
     run left when it was killed mid-write (nothing else writes here while the lock is held). Returns what was removed."""
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
     stale = [path for _, path in checkpoints(directory) if not complete(path)]
-    stale += [os.path.join(os.path.abspath(directory), n) for n in names if ".tmp" in n]
+    stale += [_join(directory, n) for n in _names(directory) if ".tmp" in n]
     for path in stale:
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.remove(path)
+        _remove(path)
     return stale
 
 

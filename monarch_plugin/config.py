@@ -140,7 +140,8 @@ class ElasticConfig:
     checkpoint_dir: str = "monarch_checkpoints"
     """Where durable checkpoints are written (a ``step<N>`` directory each, torch.distributed.checkpoint): when the
     run gives up, and every ``checkpoint_steps`` / ``checkpoint_interval_s`` (one writer; `monarch_plugin.checkpoint`).
-    A run that writes or resumes them holds the directory until it ends: a second one is refused."""
+    A run that writes or resumes them holds the directory until it ends: a second one is refused. An fsspec URL
+    (``s3://bucket/run``, with fsspec and its filesystem installed) is written the same way, but not held."""
 
     checkpoint_steps: int = 0
     """An `ElasticLoop` run writes a durable checkpoint every this many committed steps, from one replica, while
@@ -260,7 +261,8 @@ class ElasticConfig:
             raise ConfigError("`checkpoint_interval_s` needs `procs_per_replica` 1 (each proc of a replica would "
                               "go by its own clock and write its shard at another step): use `checkpoint_steps`",
                               "checkpoint_interval_s")
-        if self.resume not in (None, "auto") and not os.path.isfile(os.path.join(self.resume, ".metadata")):
+        if self.resume not in (None, "auto") and "://" not in self.resume and \
+                not os.path.isfile(os.path.join(self.resume, ".metadata")):
             raise ConfigError(f"`resume`: {self.resume} is not a complete checkpoint (a step<N> directory with DCP's "
                               "`.metadata` in it): give one, or 'auto' for the newest in `checkpoint_dir`", "resume")
         if self.fault:

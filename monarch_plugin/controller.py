@@ -34,7 +34,7 @@ from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
 from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
-from monarch_plugin.runlock import RunLock, checkpointing, hold
+from monarch_plugin.runlock import RunLock, hold, holds_checkpoints
 from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
     Action,
@@ -223,7 +223,7 @@ class ElasticController:
             self.store.set(Key.LATEST, "-1")
             if self.config.events_path:  # one file per run, so reports never mix runs
                 open(self.config.events_path, "w").close()
-            if checkpointing(self.config):  # this run holds the checkpoint directory: what a killed run left half-written goes
+            if holds_checkpoints(self.config):  # this run holds the checkpoint directory: what a killed run left half-written goes
                 stale = clean_stale(self.config.checkpoint_dir)
                 if stale:
                     self.events.emit("checkpoint_cleaned", paths=stale)

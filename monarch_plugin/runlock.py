@@ -17,26 +17,28 @@ import time
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError
 
-__all__ = ["RunLock", "checkpointing", "hold"]
+__all__ = ["RunLock", "hold", "holds_checkpoints"]
 
 LOCK_NAME = ".lock"
 """The lock file in a checkpoint directory; an events file's is beside it, `<events>.lock`."""
 
 
-def checkpointing(config: ElasticConfig) -> bool:
-    """Whether the run writes or resumes `ElasticLoop` checkpoints (a framework front end writes its own)."""
-    return bool(config.checkpoint_steps or config.checkpoint_interval_s or config.resume)
+def holds_checkpoints(config: ElasticConfig) -> bool:
+    """Whether the run holds its checkpoint directory: it writes or resumes `ElasticLoop` checkpoints (a framework
+    front end writes its own), in a local directory (an fsspec URL's store has no locks)."""
+    return bool(config.checkpoint_steps or config.checkpoint_interval_s or config.resume) and \
+        "://" not in config.checkpoint_dir
 
 
 def hold(config: ElasticConfig) -> list["RunLock"]:
-    """The run's events file and, if it writes or resumes `ElasticLoop` checkpoints, its checkpoint directory, held
-    until each lock is released; ConfigError naming the run that holds one."""
+    """The run's events file and, if it writes or resumes `ElasticLoop` checkpoints in a local directory, that
+    directory, held until each lock is released; ConfigError naming the run that holds one."""
     locks: list[RunLock] = []
     try:
         if config.events_path:
             locks.append(RunLock(f"{config.events_path}.lock", f"the events file {config.events_path}",
                                  "events_path"))
-        if checkpointing(config):
+        if holds_checkpoints(config):
             locks.append(RunLock(os.path.join(config.checkpoint_dir, LOCK_NAME),
                                  f"the checkpoint directory {config.checkpoint_dir}", "checkpoint_dir"))
     except ConfigError:

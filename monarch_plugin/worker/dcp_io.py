@@ -23,6 +23,8 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from monarch_plugin.checkpoint import is_url
+
 __all__ = ["CheckpointException", "describe", "load", "read_metadata", "save"]
 """`CheckpointException`: DCP's error on every proc when one failed to write or read (a BaseException)."""
 
@@ -30,15 +32,21 @@ __all__ = ["CheckpointException", "describe", "load", "read_metadata", "save"]
 def save(state: dict, path: str, group: dist.ProcessGroup | None) -> None:
     """Write `state` as the checkpoint `path`, together with the other procs of `group` (None: this proc alone).
     Complete only once DCP's coordinator (the group's rank 0) wrote the metadata, after every proc's files."""
+    if is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # needs fsspec: imported here
+
+        writer = FsspecWriter(path)
+    else:
+        writer = dcp.FileSystemWriter(path)
     with _alone(group):
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), process_group=group, no_dist=group is None)
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
 
 
 def load(template: dict, path: str, group: dist.ProcessGroup | None) -> dict:
     """Read the checkpoint `path` into `template` (the state as this proc holds it, of its shapes and shards: DCP
     reads what each proc needs, so the procs that wrote it may have been more or fewer) and return it."""
     with _alone(group):
-        dcp.load(template, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(), process_group=group,
+        dcp.load(template, storage_reader=_reader(path), planner=_SafeLoadPlanner(), process_group=group,
                  no_dist=group is None)
     return template
 
@@ -54,7 +62,7 @@ def _alone(group: dist.ProcessGroup | None):
 
 def read_metadata(path: str) -> _dcp_md.Metadata:
     """DCP's index of the checkpoint at `path`: what it holds, by name."""
-    return _SafeReader(path).read_metadata()
+    return _reader(path).read_metadata()
 
 
 _METADATA_GLOBALS = {
@@ -78,8 +86,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                          "not loaded (it would run code); resume from a checkpoint a run of this runtime wrote")
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, reading its metadata through `_MetadataUnpickler` instead of `pickle.load`."""
+class _SafeMetadata:
+    """A DCP reader's `read_metadata`, through `_MetadataUnpickler` instead of `pickle.load`."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_md.Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
@@ -88,6 +96,19 @@ class _SafeReader(dcp.FileSystemReader):
             metadata.storage_meta = _dcp_md.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+class _SafeReader(_SafeMetadata, dcp.FileSystemReader):
+    pass
+
+
+def _reader(path: str) -> dcp.FileSystemReader:
+    """DCP's reader for `path` (a local path, or an fsspec URL), reading its metadata through the allow-list."""
+    if is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader  # needs fsspec: imported here
+
+        return type("_SafeFsspecReader", (_SafeMetadata, FsspecReader), {})(path)
+    return _SafeReader(path)
 
 
 class _SafeLoadPlanner(DefaultLoadPlanner):

@@ -143,3 +143,18 @@ def test_a_checkpoint_round_trips_and_one_of_another_model_is_refused_naming_the
         _loop(5).resume(path)
     monkeypatch.chdir(tmp_path)
     assert not _loop(4).resume("auto")  # "auto": none in ./monarch_checkpoints
+
+
+def test_an_fsspec_url_is_written_found_pruned_and_resumed_as_a_local_path_is():
+    pytest.importorskip("fsspec")
+    directory = "memory://monarch-plugin-test/ckpt"
+    first = _loop(4)
+    for step in (2, 4, 6):
+        first.step = step
+        save(first.checkpoint_state(), step_path(directory, step), None)
+    assert newest(directory) == f"{directory}/step00000006"
+    assert prune(directory, keep=1) == [f"{directory}/step00000002", f"{directory}/step00000004"]
+    second = _loop(4)
+    assert second.resume(newest(directory)) and second.step == 6
+    assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters()))
+    assert ElasticConfig(resume=newest(directory)).resume == f"{directory}/step00000006"  # not a local path: found on load

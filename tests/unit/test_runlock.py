@@ -46,3 +46,11 @@ def test_a_run_holds_its_checkpoint_directory_only_if_it_writes_or_resumes_check
     assert [lock.path for lock in writing] == [f"{events}.lock", str(tmp_path / "b" / ".lock")]
     for lock in writing:
         lock.release()
+
+
+def test_an_fsspec_url_checkpoint_directory_is_not_held(tmp_path):
+    locks = hold(ElasticConfig(events_path=str(tmp_path / "e.jsonl"), checkpoint_steps=5,
+                               checkpoint_dir="memory://bucket/run"))
+    assert [lock.path for lock in locks] == [str(tmp_path / "e.jsonl.lock")]  # object stores have no locks
+    for lock in locks:
+        lock.release()
