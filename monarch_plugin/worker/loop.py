@@ -338,7 +338,7 @@ class ElasticLoop:
             self._checkpoints.wait()
         from monarch_plugin.worker import dcp_io
 
-        path = step_path(self.config.checkpoint_dir, self.step)
+        path = step_path(self.config.checkpoint_dir, committed)  # the steps the state holds (`StepTransaction.held`)
         dcp_io.save(self.checkpoint_state(), path, self._checkpoint_group())
         return path if self._lane == 0 else None
 
