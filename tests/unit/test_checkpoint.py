@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 from monarch_plugin import ConfigError, ElasticConfig, ElasticLoop
 from monarch_plugin.checkpoint import clean_stale, newest, newest_written, prune, step_path
 from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
+from monarch_plugin.worker import dcp_io
 from monarch_plugin.worker.dcp_io import read_metadata, save
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,7 +82,7 @@ def test_reading_a_checkpoint_runs_no_code_from_it(tmp_path):
         _loop(2).resume(forged)
 
 
-def test_the_writer_keeps_every_nth_step_from_a_copy_taken_at_the_step_and_prunes_after(tmp_path):
+def test_the_writer_keeps_every_nth_step_from_a_copy_taken_at_the_step_and_prunes_after(tmp_path, monkeypatch):
     emitted = []
     writer = CheckpointWriter(str(tmp_path), every_steps=5, every_s=0, coordinator=True, keep=1,
                               emit=lambda kind, **fields: emitted.append((kind, fields)))
@@ -89,12 +91,21 @@ def test_the_writer_keeps_every_nth_step_from_a_copy_taken_at_the_step_and_prune
     writer.write(5, {"w": weights}, None)
     weights += 1  # the training step goes on while the copy is written
     writer.wait()
+    assert torch.equal(_read_w(str(tmp_path / "step00000005")), torch.zeros(3))
+    disk = threading.Event()  # a slow disk: the write of step 10 goes on until it is set
+    real_save = dcp_io.save
+    monkeypatch.setattr(dcp_io, "save", lambda *a: (disk.wait(30), real_save(*a)))
     writer.write(10, {"w": weights}, None)
-    assert writer.busy() or emitted  # the caller skips a due write while this holds
+    assert writer.busy()  # ElasticLoop skips a write due now (`checkpoint_skipped`) rather than wait
+    disk.set()
     writer.wait()
     assert not writer.busy() and os.listdir(tmp_path) == ["step00000010"]
     assert [kind for kind, _ in emitted] == ["checkpoint", "checkpoint", "checkpoint_pruned"]
     assert emitted[0][1]["step"] == 5 and emitted[0][1]["periodic"]
+
+
+def _read_w(path: str) -> torch.Tensor:
+    return dcp_io.load({"w": torch.empty(3)}, path, None)["w"]
 
 
 def test_a_failed_write_is_reported_and_training_goes_on(tmp_path):
