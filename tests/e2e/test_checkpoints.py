@@ -35,7 +35,7 @@ def test_a_lanes_failed_write_keeps_the_newest_complete_checkpoint_which_another
     ckpt = first.tmp / "ckpt"
     first.start("--replicas", "2", "--procs-per-replica", "2", "--checkpoint-steps", str(EVERY), "--checkpoint-keep",
                 "1", script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--fsdp", "--out", str(first.out)))
-    first.wait_for(lambda: first.events("checkpoint"), timeout=120, what="the first checkpoint")
+    first.wait_for(lambda: first.events("run_start"), timeout=120, what="the run's start")  # it cleaned the dir
     for step in range(12, TOTAL + 1, EVERY):
         os.makedirs(ckpt / f"step{step:08d}" / "__1_0.distcp")  # lane 1's part of that checkpoint: a directory
     first.wait_for(lambda: first.events("checkpoint_failed"), timeout=120, what="a failed checkpoint write")
