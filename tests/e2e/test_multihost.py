@@ -50,6 +50,19 @@ def _lose_host_and_bring_it_back(run, net: netns.NetnsHosts, i: int) -> None:
     net.start_agent(i, port=netns.AGENT_PORT + 1)
 
 
+def _regrown_onto(run, net: netns.NetnsHosts, lost: str, survivor: int) -> int:
+    """The replica the run regrew with after losing the host at `lost` (host 1): on that host, back. A replacement
+    placed on it before it was declared lost (its procs' deaths are seen up to `host_timeout_s` before its agent's
+    silence is) dies with it, and the next is placed once it is back: which replica regrows the run depends on that
+    race, not on the run's behaviour, which is the same either way."""
+    assert [e["host"] for e in run.events("host_lost")] == [lost]
+    assert [len(q["members"]) for q in run.events("quorum")][:2] == [2, 1]
+    assert run.events("quorum")[1]["members"] == [survivor]
+    [newcomer] = [m for m in run.events("quorum")[-1]["members"] if m != survivor]
+    assert {s["replica"]: s["host"] for s in run.events("spawn")}[newcomer] == net.address(1)
+    return newcomer
+
+
 def _nothing_outlives(run) -> None:
     """No worker and no host's watcher outlived the run, on any host."""
     pids = [pid for pids in run.pids().values() for pid in pids] + [e["watcher_pid"] for e in run.events("host_up")]
@@ -203,7 +216,9 @@ def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(ligh
                                 "--store-host", net.controller_ip, "--epochs", str(epochs), "--samples", str(samples),
                                 "--batch", str(batch), "--step-sleep", "0.1", "--hold-for-regrow-from", "12")
     run.wait_for(lambda: run.progress(0) >= 3 and run.progress(1) >= 3, timeout=150, what="both replicas training")
-    victim = next(s["replica"] for s in run.events("spawn") if s["host"] == net.address(1))
+    lost = net.address(1)
+    victim = next(s["replica"] for s in run.events("spawn") if s["host"] == lost)
+    survivor = next(s["replica"] for s in run.events("spawn") if s["host"] == net.address(0))
     _lose_host_and_bring_it_back(run, net, 1)
     assert run.wait(timeout=240) == 0, run.output
 
@@ -212,10 +227,7 @@ def test_lightning_fit_on_two_hosts_survives_losing_one_and_regrows_onto_it(ligh
     assert len(result["replica_checksums"]) == 2 and set(result["replica_checksums"].values()) == {result["checksum"]}
     assert str(victim) not in result["replica_checksums"]
     _every_sample_once_per_epoch(result)
-    assert [len(q["members"]) for q in run.events("quorum")] == [2, 1, 2]
-    assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
-    spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
-    assert spawned[max(spawned)] == net.address(1), spawned
+    assert str(_regrown_onto(run, net, lost, survivor)) in result["replica_checksums"]
     _nothing_outlives(run)
 
 
@@ -238,23 +250,22 @@ def test_hf_train_on_two_hosts_survives_losing_one_and_regrows_onto_it(hf_run, h
                              "--pause-at", str(pause)))
     run.wait_for(lambda: run.progress(0) >= 2 and run.progress(1) >= 2, timeout=150, what="both replicas training")
     on_host = {s["host"]: s["replica"] for s in run.events("spawn")}
-    victim, survivor = on_host[net.address(1)], on_host[net.address(0)]
+    lost = net.address(1)
+    victim, survivor = on_host[lost], on_host[net.address(0)]
     _lose_host_and_bring_it_back(run, net, 1)
-    run.wait_for(lambda: len(run.events("quorum")) == 3, timeout=150, what="the replacement admitted")
+    run.wait_for(lambda: len(run.events("quorum")) >= 3 and len(run.events("quorum")[-1]["members"]) == 2,
+                 timeout=150, what="the replacement admitted")
     (run.out / "release").touch()
     assert run.wait(timeout=150) == 0, run.output
 
+    newcomer = _regrown_onto(run, net, lost, survivor)
     results = run.results()
-    assert set(results) == {str(survivor), "2"}, run.output
-    assert {r["checksum"] for r in results.values()} == {results["2"]["checksum"]}
+    assert set(results) == {str(survivor), str(newcomer)} and str(victim) not in results, run.output
+    assert {r["checksum"] for r in results.values()} == {results[str(newcomer)]["checksum"]}
     assert {(r["global_step"], r["train_output_step"]) for r in results.values()} == {(steps, steps)}
     for r in results.values():  # every sample of every epoch in exactly one committed step
         counts = torch.tensor(r["counts"])
         torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
-    assert [len(q["members"]) for q in run.events("quorum")] == [2, 1, 2]
-    assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
-    spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
-    assert spawned[2] == net.address(1), spawned
     _nothing_outlives(run)
 
 
@@ -276,22 +287,21 @@ def test_torchtitan_on_two_hosts_survives_losing_one_and_regrows_onto_it(titan_r
                             "--probe.shrunk_steps", "2")
     run.wait_for(lambda: run.progress(0) >= 2 and run.progress(1) >= 2, timeout=200, what="both replicas training")
     on_host = {s["host"]: s["replica"] for s in run.events("spawn")}
-    victim, survivor = on_host[net.address(1)], on_host[net.address(0)]
+    lost = net.address(1)
+    victim, survivor = on_host[lost], on_host[net.address(0)]
     _lose_host_and_bring_it_back(run, net, 1)
     assert run.wait(timeout=240) == 0, run.output
 
-    assert [q["members"] for q in run.events("quorum")] == [[0, 1], [survivor], [survivor, 2]]
-    assert [e["replicas"] for e in run.events("host_lost")] == [[victim]]
-    spawned = {s["replica"]: s["host"] for s in run.events("spawn")}
-    assert spawned[2] == net.address(1), spawned
+    newcomer = _regrown_onto(run, net, lost, survivor)
+    assert len(run.events("quorum")) == 3 and victim != newcomer
     # Healed across hosts, shard by shard, from the survivor's two procs.
-    assert {h["source"] for h in run.events("heal") if 2 in h["recipients"]} == {f"replica{survivor}.{k}"
-                                                                                  for k in (0, 1)}
+    assert {h["source"] for h in run.events("heal") if newcomer in h["recipients"]} == {f"replica{survivor}.{k}"
+                                                                                         for k in (0, 1)}
     outcome = run.outcome()
-    assert set(outcome) == {(survivor, 0), (survivor, 1), (2, 0), (2, 1)}, run.output
+    assert set(outcome) == {(survivor, 0), (survivor, 1), (newcomer, 0), (newcomer, 1)}, run.output
     assert {o["step"] for o in outcome.values()} == {STEPS}
     for local in (0, 1):
-        assert outcome[survivor, local]["checksum"] == outcome[2, local]["checksum"]
+        assert outcome[survivor, local]["checksum"] == outcome[newcomer, local]["checksum"]
     assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
     final = _final_records(run.steps())
     assert sorted(final) == list(range(1, STEPS + 1))
@@ -313,7 +323,7 @@ def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_chan
         net.start_agent(i)
     net.wait_listed(2)
     run = elastic_run()
-    samples, batch, epochs = 240, 24, 8
+    samples, batch, epochs = 240, 24, 16  # 160 steps: long enough that the regrow onto a new host comes before the end
     run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "4",
               "--min-replicas", "2", "--replicas-per-host", "2", "--host-timeout", "4", "--join-timeout", "120",
               script=WORKLOADS / "logged_loop.py",
