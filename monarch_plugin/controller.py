@@ -13,6 +13,7 @@ gets its peers' phases checked, and the one stuck outside the reduction is kille
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import queue
@@ -35,6 +36,7 @@ from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
 from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
 from monarch_plugin.runlock import RunLock, hold, holds_checkpoints
+from monarch_plugin.signing import SECRET_ENV, Forged, SignedStore, forged_reporter, new_secret
 from monarch_plugin.protocol import (
     WAITING_ON_PEERS,
     Action,
@@ -192,7 +194,9 @@ class ElasticController:
         self._closing = threading.Event()
         self._respawn_at: list[tuple[float, bool]] = []  # (when, whether it replaces a loss: counts as a restart)
         self._no_room = False
-        self.store: dist.TCPStore | None = None
+        self.store: SignedStore | None = None
+        self._secret = new_secret()
+        """What every value in the run's store is signed with (`signing`); its processes get it in their environment."""
         self._last_death = ""
         self._spawners: list[threading.Thread] = []
         self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
@@ -202,6 +206,7 @@ class ElasticController:
         self.action = Action.TRAIN
         """What the current generation's members do."""
         self._raises: list[tuple[int, Raised]] = []  # (replica, report) of every training code that raised
+        self._formed_gens: set[int] = set()  # generations every member's every proc said it formed (`Key.formed`)
         self._read: dict[str, int] = {}  # lines handled of each appended key (`Key.RAISED`, `Key.DRAINS`)
         self._told_to_stop: str | None = None  # the signal with notice this process received (its name)
         self.oom_floor = 0
@@ -219,7 +224,8 @@ class ElasticController:
         previous = ({sig: signal.signal(sig, self._on_signal) for sig in NOTICE_SIGNALS}
                     if threading.current_thread() is threading.main_thread() else {})
         try:
-            self.store = _store_on(self.config.store_host, self.config.join_timeout_s)
+            self.store = SignedStore(_store_on(self.config.store_host, self.config.join_timeout_s),
+                                     bytes.fromhex(self._secret), on_forged=forged_reporter(self.events))
             self.store.set(Key.LATEST, "-1")
             if self.config.events_path:  # one file per run, so reports never mix runs
                 open(self.config.events_path, "w").close()
@@ -238,7 +244,7 @@ class ElasticController:
                 self.events.emit("resume", path=self.config.resume, message=(
                     f"resuming from {self.config.resume}" if self.config.resume else
                     f"no complete checkpoint in {self.config.checkpoint_dir} yet: starting from scratch"))
-            self.hosts.start(self.store)
+            self.hosts.start(self.store, self._secret)
             self._check_room()
             for _ in range(self.config.replicas):
                 self._spawn(initial=True)
@@ -308,6 +314,7 @@ class ElasticController:
             "MONARCH_PLUGIN_INITIAL": "1" if replica.initial else "0",
             "MONARCH_PLUGIN_STORE_HOST": self.config.store_host,
             "MONARCH_PLUGIN_STORE_PORT": str(self.store.port),
+            SECRET_ENV: self._secret,
             # The replica's own group stays on its host's loopback, gloo's sockets included.
             "MASTER_ADDR": "127.0.0.1",
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
@@ -435,8 +442,14 @@ class ElasticController:
                 self._on_return(self.replicas[rid], outcomes)
 
     def _is_ready(self, replica: _Replica) -> bool:
-        key = Key.ready(replica.rid)
-        return self.store.check([key]) and self.store.add(key, 0) >= self.config.procs_per_replica
+        return self._verified([Key.ready(replica.rid, lane) for lane in range(self.config.procs_per_replica)])
+
+    def _verified(self, keys: list[str]) -> bool:
+        """Every key is set to a value signed with the run's secret (one that is not was reported: `forged_value`)."""
+        try:
+            return self.store.verified(keys)
+        except Forged:
+            return False
 
     def _on_return(self, replica: _Replica, outcomes: list[Outcome]) -> None:
         errors = [o.raised for o in outcomes if o.status == "error"]
@@ -468,7 +481,7 @@ class ElasticController:
         read = self._read.get(key, 0)
         if self.store is None or self.store.add(count, 0) <= read:
             return []
-        reports = kind.parse(self.store.get(key))
+        reports = [kind(**json.loads(line)) for line in self.store.lines(key)]
         self._read[key] = len(reports)
         return reports[read:]
 
@@ -488,6 +501,9 @@ class ElasticController:
         where = f"at step {raised.step}" if raised.step >= 0 else "before its first step"
         self._raises.append((replica.rid, raised))
         replica.kept = raised.held is not None and self.config.procs_per_replica == 1 and self._holds(replica)
+        if raised.runtime == "store":  # someone steers the run from outside: nothing the store says can be trusted
+            replica.state = ReplicaState.STOPPED
+            self._give_up(policies.forged(replica.rid, raised.error, f"{self.config.store_host}:{self.store.port}"))
         twin = None if not code or raised.step < 0 else next(
             ((r, o) for r, o in self._raises[:-1] if r != replica.rid and not o.runtime
              and (o.kind, o.step) == (raised.kind, raised.step)), None)
@@ -754,7 +770,10 @@ class ElasticController:
 
     def _formed(self, g: int) -> bool:
         """Every proc of generation g's members formed its group (workers count `formed/<g>`)."""
-        return self.store.add(Key.formed(g), 0) >= len(self.plans[g]) * self.config.procs_per_replica
+        if g not in self._formed_gens and self._verified(
+                [Key.formed(g, m, lane) for m in self.plans[g] for lane in range(self.config.procs_per_replica)]):
+            self._formed_gens.add(g)
+        return g in self._formed_gens
 
     def _statuses(self, replicas: list[_Replica]) -> dict[int, list[dict] | None]:
         """What each proc of each replica is doing, from its control actor (None: it did not answer). Every replica
@@ -843,7 +862,7 @@ class ElasticController:
             # Every member answers, and some were found unable to go on (the recipients of a heal past its bound,
             # a replica whose procs disagree): they go (and are replaced), the others keep training.
             how = "reported unfit"
-            suspects = {r: why for r, why in unfit_members(self.store.get(Key.unfit(self.gen))).items()
+            suspects = {r: why for r, why in unfit_members("\n".join(self.store.lines(Key.unfit(self.gen)))).items()
                         if self.replicas[r].state == ReplicaState.MEMBER}
         if not suspects:
             self._replan(list(self.members), "stalled reduction, all members responsive",
@@ -919,7 +938,8 @@ class ElasticController:
 
     def _holds(self, replica: _Replica) -> bool:
         """Whether the replica holds the run's trained state: once every one of its procs has said so, it does."""
-        if not replica.holds and self.store.add(Key.holds(replica.rid), 0) >= self.config.procs_per_replica:
+        if not replica.holds and self._verified([Key.holds(replica.rid, lane)
+                                                 for lane in range(self.config.procs_per_replica)]):
             replica.holds = True
         return replica.holds
 

@@ -9,11 +9,14 @@ which the controller re-plans instead of waiting for the collective timeout. The
 from __future__ import annotations
 
 import datetime
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
 
 from monarch_plugin.protocol import Key
+
+if TYPE_CHECKING:
+    from monarch_plugin.signing import SignedStore
 
 __all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "ProtocolError",
            "barrier", "supersede", "FORMATION_BOUND_S"]
@@ -56,18 +59,22 @@ class ProtocolError(RuntimeError):
 _GO, _SUPERSEDED, _TIMED_OUT = b"go", b"superseded", b"timed out"
 
 
-def barrier(store: dist.Store, prefix: str, world: int, timeout_s: float, superseded: Callable[[], bool]) -> None:
+def barrier(store: SignedStore, prefix: str, rank: int, world: int, timeout_s: float,
+            superseded: Callable[[], bool]) -> None:
     """Return once all `world` members have arrived at `prefix`; raise GenerationChanged if it was superseded first,
     CollectiveTimedOut if a member did not arrive in `timeout_s`.
 
-    The outcome is decided once, by compare-and-set on `<prefix>/decision`, so no member can go on while another
-    walks away: the last to arrive decides "go"; the controller (`supersede`), or a member that finds itself
-    superseded on arriving, decides "superseded"; a member that waited `timeout_s` decides "timed out". Every
-    member blocks on the decision in the store (one request, answered when the key is written), never polls: a
-    thousand replicas polling a barrier every few milliseconds were hundreds of thousands of requests a second on
-    the controller's one store, and the decision came only as fast as the store could answer them."""
+    Each member says it arrived under a key of its own (`Key.arrived`, signed like every value: a count of arrivals
+    could be raised by anyone who reaches the store). The outcome is decided once, by compare-and-set on
+    `<prefix>/decision`, so no member can go on while another walks away: a member that finds every member's arrival
+    in place (the last to arrive always does) decides "go"; the controller (`supersede`), or a member that finds itself
+    superseded on arriving, decides "superseded"; a member that waited `timeout_s` decides "timed out". Every member
+    blocks on the decision in the store (one request, answered when the key is written), never polls: a thousand
+    replicas polling a barrier every few milliseconds were hundreds of thousands of requests a second on the
+    controller's one store, and the decision came only as fast as the store could answer them."""
     decision_key = Key.decision(prefix)
-    if store.add(Key.arrived(prefix), 1) >= world:
+    store.set(Key.arrived(prefix, rank), b"1")
+    if store.verified([Key.arrived(prefix, r) for r in range(world)]):
         decision = store.compare_set(decision_key, "", _GO)
     elif superseded():
         decision = store.compare_set(decision_key, "", _SUPERSEDED)
@@ -84,8 +91,11 @@ def barrier(store: dist.Store, prefix: str, world: int, timeout_s: float, supers
     raise CollectiveTimedOut(f"{prefix}: formation abandoned (a member did not arrive in {timeout_s:.0f}s)")
 
 
-def supersede(store: dist.Store, prefix: str) -> None:
+def supersede(store: SignedStore, prefix: str) -> None:
     """Decide the barrier at `prefix` "superseded" unless it is already decided: its waiting members leave it at
     once, and any that arrive later leave on arriving. The controller calls it for the formations of a
     generation it has just replaced."""
-    store.compare_set(Key.decision(prefix), "", _SUPERSEDED)
+    try:
+        store.compare_set(Key.decision(prefix), "", _SUPERSEDED)
+    except ProtocolError:  # a forged decision (`signing.Forged`), reported: the members stop on it
+        pass

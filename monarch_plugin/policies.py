@@ -78,6 +78,17 @@ def same_error(first: int, second: int, raised: Raised) -> str:
             "replicas cannot fix")
 
 
+def forged(replica: int, error: str, store: str) -> str:
+    """Why the run stops when replica `replica` found a value in the run's store that the run did not write (`error`,
+    `signing.Forged`'s message): something without the run's secret reaches its store, at `store`, and may have erased
+    or replaced what the replica needed. Acting on it could train the wrong model, and another replica would meet it
+    again: the run stops with its checkpoint."""
+    what = error.split("monarch-plugin's store: ", 1)[-1]
+    return (f"replica {replica} found {what}; something without the run's secret can reach the run's store at {store}: "
+            "the run stopped rather than act on it. Keep the store's address on a network only the job's hosts reach "
+            "(`store_host`), and see docs/reliability.md, \"Who can steer a run\"")
+
+
 WAIT_WHY = ("a replica ran out of memory, and on fewer replicas each would take a larger share of the global batch "
             "(`batch_policy` constant_global)")
 """Why a generation waits for replacements instead of training (`oom_floor`)."""

@@ -112,7 +112,9 @@ class Plan:
 
 
 class Key:
-    """The store's keys. Counters are `add`ed by every proc concerned and read by whoever waits on their sum."""
+    """The store's keys. Every value is signed with the run's secret (`signing.SignedStore`); what several procs each
+    say (ready, formed, holds, arrived) is a key per proc, since a sum of `add`s carries no signature. The counters left
+    (`stalled`, the appended reports' counts, the host watchers' beats and deaths) only make a reader look sooner."""
 
     LATEST = "latest"
     """The newest generation's number, set after its plan."""
@@ -122,9 +124,9 @@ class Key:
         return f"plan/{gen}"
 
     @staticmethod
-    def arrived(barrier: str) -> str:
-        """Counter: members that reached the arrival barrier named `barrier` (`handshake.barrier`)."""
-        return f"{barrier}/arrived"
+    def arrived(barrier: str, rank: int) -> str:
+        """Set by the member of rank `rank` once it reached the arrival barrier named `barrier` (`handshake.barrier`)."""
+        return f"{barrier}/arrived/{rank}"
 
     @staticmethod
     def decision(barrier: str) -> str:
@@ -132,14 +134,14 @@ class Key:
         return f"{barrier}/decision"
 
     @staticmethod
-    def ready(replica: int) -> str:
-        """Counter: procs of the replica that started and formed their replica's own group."""
-        return f"ready/{replica}"
+    def ready(replica: int, lane: int) -> str:
+        """Set by the replica's proc `lane` once it started and formed its replica's own group."""
+        return f"ready/{replica}/{lane}"
 
     @staticmethod
-    def formed(gen: int) -> str:
-        """Counter: procs of the generation's members that formed its group and hold its state."""
-        return f"formed/{gen}"
+    def formed(gen: int, replica: int, lane: int) -> str:
+        """Set by proc `lane` of the generation's member `replica` once it formed the group and holds its state."""
+        return f"formed/{gen}/{replica}/{lane}"
 
     @staticmethod
     def stalled(gen: int) -> str:
@@ -154,11 +156,11 @@ class Key:
         return f"stalled/{gen}/unfit"
 
     @staticmethod
-    def holds(replica: int) -> str:
-        """Counter: procs of the replica that hold the run's trained state, each counted once, after the first join
-        that left it holding (it healed from a holder, or was one). The controller counts a replica a holder once
-        every proc is counted: a replica half healed holds nothing it can serve."""
-        return f"holds/{replica}"
+    def holds(replica: int, lane: int) -> str:
+        """Set by the replica's proc `lane` after the first join that left it holding the run's trained state (it
+        healed from a holder, or was one). The controller counts a replica a holder once every proc has said so: a
+        replica half healed holds nothing it can serve."""
+        return f"holds/{replica}/{lane}"
 
     @staticmethod
     def pick(replica: int, n: int) -> str:

@@ -35,14 +35,16 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
     import torch.distributed as dist
 
     from monarch_plugin.handshake import GenerationChanged, barrier
+    from monarch_plugin.signing import SECRET_ENV, SignedStore
 
     timeout_s = float(env.get("MONARCH_PLUGIN_JOIN_TIMEOUT_S", "120"))
-    store = dist.TCPStore(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]), is_master=False,
-                          wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    store = SignedStore(dist.TCPStore(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]),
+                                      is_master=False, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=timeout_s)), bytes.fromhex(env[SECRET_ENV]))
     events = EventLog(env["MONARCH_PLUGIN_EVENTS"], source=f"replica{rid}.0")
     t0 = time.time()
     if ready:  # else it is stuck before its training loop: it waits for plans that never name it
-        store.add(Key.ready(rid), 1)
+        store.set(Key.ready(rid, 0), b"1")
     gen, seen = -1, -1
 
     def raise_now():  # the training code raised, as a real worker's `ReplicaActor.run` reports it
@@ -70,12 +72,12 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
         if plan.action == Action.WAIT:
             continue  # training nothing until the plan that brings replacements
         try:
-            barrier(store, Key.group(plan.gen, 0), len(plan.members), timeout_s,
+            barrier(store, Key.group(plan.gen, 0), plan.members.index(rid), len(plan.members), timeout_s,
                     lambda: flags.stop or flags.latest > plan.gen)
         except GenerationChanged:
             continue
         gen = plan.gen
-        store.add(Key.formed(gen), 1)
+        store.set(Key.formed(gen, rid, 0), b"1")
         events.emit("join", replica=rid, gen=gen, world=len(plan.members))
         if plan.action == Action.CHECKPOINT:
             return report(rid, Outcome("stopped", time.time() - t0))
@@ -84,7 +86,7 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
                 return raise_now()
             if finishing.is_set():
                 try:
-                    barrier(store, Key.finished(gen, 0), len(plan.members), timeout_s,
+                    barrier(store, Key.finished(gen, 0), plan.members.index(rid), len(plan.members), timeout_s,
                             lambda: flags.abort_gen > gen or flags.stop)
                 except GenerationChanged:
                     break
@@ -186,6 +188,7 @@ class Fleet:
             p.start()
         self.runs: dict[int, _Run] = {}
         self.placeholders: dict[int, subprocess.Popen] = {}
+        self.envs: dict[int, dict] = {}  # what each replica was spawned with (the run's secret among it)
         threading.Thread(target=self._collect, daemon=True).start()
 
     def launch(self, rid: int, procs: int, env: dict) -> tuple:
@@ -194,6 +197,7 @@ class Fleet:
         process, which the proc's end (the mesh's `stop`) takes out with it."""
         proc = subprocess.Popen(["sleep", "infinity"])
         self.placeholders[rid] = proc
+        self.envs[rid] = env
 
         def stop():
             self.send(rid, "kill")

@@ -35,6 +35,7 @@ from monarch_plugin.events import EventLog
 from monarch_plugin.procs.pidwatch import PidWatch
 from monarch_plugin.protocol import Died, HostLost, HostUp, Key, watcher_names
 from monarch_plugin.procs.lease import lease_s
+from monarch_plugin.signing import Forged
 
 __all__ = ["Host", "Hosts"]
 
@@ -106,9 +107,10 @@ class Hosts:
 
     # -- start and stop -------------------------------------------------------------------------------------
 
-    def start(self, store) -> None:
-        """Attach the hosts (or take this machine) and start watching; before the first replica is spawned."""
-        self._store = store
+    def start(self, store, secret: str) -> None:
+        """Attach the hosts (or take this machine) and start watching; before the first replica is spawned. `store`
+        is the run's (a `SignedStore`), `secret` what it signs with: each host's watcher gets it."""
+        self._store, self._secret = store, secret
         if not self.config.multi_host:
             self._local = PidWatch(lambda replica, pid: self._report.put(Died(replica, f"pidfd (pid {pid} exited)")))
             self._forkserver = forkserver.for_run(self.config, self._imports)
@@ -286,7 +288,7 @@ class Hosts:
             procs_name, actor_name = watcher_names(index)
             procs = mesh.spawn_procs(per_host={"procs": 1}, name=procs_name, bootstrap_command=notice.bootstrap_command())
             watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, index,
-                                  self._lease)
+                                  self._lease, self._secret)
             machine = watcher.machine.call_one(self.paths).get(timeout=self.config.join_timeout_s)
         except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is reported; the run goes on
             self._failures.append((address, f"unreachable ({type(e).__name__})"))
@@ -329,8 +331,9 @@ class Hosts:
             now = time.monotonic()
             try:
                 if store is None:
-                    store = dist.TCPStore(self.config.store_host, self._store.port, is_master=False,
-                                          wait_for_workers=False, timeout=datetime.timedelta(seconds=_CALL_S))
+                    store = self._store.like(dist.TCPStore(
+                        self.config.store_host, self._store.port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=_CALL_S)))
                 for host in [h for h in self.hosts if h.live and h.watcher is not None]:
                     self._poll(store, host, now)
             except Exception as e:  # noqa: BLE001 - a broken connection is made again; a closing run stops here
@@ -362,7 +365,10 @@ class Hosts:
                 return
             host.unrecorded_since = None
             host.deaths_seen += 1
-            death = json.loads(store.get(key))
+            try:
+                death = json.loads(store.get(key))
+            except Forged:  # reported (`forged_value`); a real death is seen by supervision as well
+                continue
             self._report.put(Died(death["replica"], f"watcher on {host.name} (pid {death['pid']} exited)"))
 
     def lose(self, host: Host, why: str) -> None:

@@ -90,14 +90,17 @@ def _tell(name: str) -> bool:
     import torch.distributed as dist
 
     from monarch_plugin.protocol import Drain, Key
+    from monarch_plugin.signing import SignedStore, secret_from_env
 
     drain = Drain(replica=int(os.environ["MONARCH_PLUGIN_REPLICA_ID"]), lane=int(os.environ.get("LOCAL_RANK", 0)),
                   signal=name, pid=os.getpid())
     print(f"monarch-plugin: replica {drain.replica} proc {drain.pid} received {name}: the replica leaves at the next "
           "step boundary", file=sys.stderr, flush=True)
     try:
-        store = dist.TCPStore(os.environ["MONARCH_PLUGIN_STORE_HOST"], int(os.environ["MONARCH_PLUGIN_STORE_PORT"]),
-                              is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+        store = SignedStore(dist.TCPStore(os.environ["MONARCH_PLUGIN_STORE_HOST"],
+                                          int(os.environ["MONARCH_PLUGIN_STORE_PORT"]), is_master=False,
+                                          wait_for_workers=False, timeout=datetime.timedelta(seconds=30)),
+                            secret_from_env())
         store.append(Key.DRAINS, drain.line())
         store.add(Key.DRAIN_COUNT, 1)
     except Exception as e:  # noqa: BLE001 - the controller then sees this proc die when SIGKILL follows

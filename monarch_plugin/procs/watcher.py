@@ -23,6 +23,7 @@ from monarch_plugin.procs import notice
 from monarch_plugin.procs.pidwatch import PidWatch
 from monarch_plugin.protocol import Drain, Key
 from monarch_plugin.procs.lease import Lease
+from monarch_plugin.signing import SignedStore
 
 __all__ = ["HostWatcher", "loopback_port"]
 
@@ -36,16 +37,18 @@ def loopback_port() -> int:
 
 
 class HostWatcher(Actor):
-    def __init__(self, store_host: str, store_port: int, host: int, lease: float):
+    def __init__(self, store_host: str, store_port: int, host: int, lease: float, secret: str):
+        """`secret`: the run's (`signing`), which signs what this watcher writes to the run's store. It stays out of
+        this proc's environment, which `machine` reports."""
         import torch.distributed as dist
 
         self._host = host
-        self._store = dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=lease))
+        self._store = SignedStore(dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
+                                                timeout=datetime.timedelta(seconds=lease)), bytes.fromhex(secret))
         self._reported = 0  # deaths written so far: this watcher is its host's only writer of them
         self._report_lock = threading.Lock()
         self._pids = PidWatch(self._report, name="monarch-plugin-watch")
-        self._lease = Lease(store_host, store_port, host, lease, f"the watcher of host {host}",
+        self._lease = Lease(store_host, store_port, host, lease, f"the watcher of host {host}", secret,
                             beat_key=Key.host_beat(host))
         notice.listen(self._going)  # its agent passes on a SIGTERM to every proc: the whole host is going
 

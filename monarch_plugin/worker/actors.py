@@ -20,6 +20,7 @@ from monarch_plugin.protocol import Key, Outcome, Raised
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
 from monarch_plugin.procs.lease import Lease
+from monarch_plugin.signing import SECRET_ENV
 
 __all__ = ["ReplicaActor", "ControlActor"]
 
@@ -77,7 +78,7 @@ class ReplicaActor(Actor):
         if "MONARCH_PLUGIN_LEASE_S" in env:  # on another host: cut off from the controller, this proc ends itself
             self._lease = Lease(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]),
                                 int(env["MONARCH_PLUGIN_HOST"]), float(env["MONARCH_PLUGIN_LEASE_S"]),
-                                f"replica {env['MONARCH_PLUGIN_REPLICA_ID']} proc {local_rank}")
+                                f"replica {env['MONARCH_PLUGIN_REPLICA_ID']} proc {local_rank}", env[SECRET_ENV])
 
     @endpoint
     def run(self, target: Target) -> Outcome:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from monarch_plugin.handshake import (CollectiveFailed, CollectiveInterrupted, CollectiveTimedOut,
                                       GenerationChanged, barrier)
+from monarch_plugin.signing import SignedStore
 from monarch_plugin.worker.context import Flags
 
 __all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "wait_all",
@@ -71,7 +72,7 @@ def wait_all(works: list, flags: Flags, gen: int, timeout_s: float, interruptibl
 
 
 def new_group(
-    store: dist.Store,
+    store: SignedStore,
     prefix: str,
     rank: int,
     world: int,
@@ -94,7 +95,7 @@ def new_group(
     A gloo group listens on `address` only: loopback when every member is on this host, the host's own address on
     the job's network otherwise (gloo's default, the hostname's address, may be another interface or none).
     """
-    barrier(store, prefix, world, timeout_s, superseded)
+    barrier(store, prefix, rank, world, timeout_s, superseded)
     if fault_point is not None:
         fault_point("arrived")
     if world == 1:

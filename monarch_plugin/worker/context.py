@@ -9,6 +9,7 @@ for its next generation learns of it without asking the store.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import threading
@@ -21,6 +22,7 @@ from monarch_plugin.config import ElasticConfig
 from monarch_plugin.events import EventLog
 from monarch_plugin.faults import parse_faults
 from monarch_plugin.protocol import Phase
+from monarch_plugin.signing import SignedStore, forged_reporter, secret_from_env
 
 __all__ = ["WorkerContext", "current", "flags"]
 
@@ -114,7 +116,7 @@ class WorkerContext:
         self.transaction = None
         """This proc's `StepTransaction` once the front end built it: what the control actor asks, from its own thread,
         for the front end's newest checkpoint, and for a give-up checkpoint after the training code raised."""
-        self._store: dist.TCPStore | None = None
+        self._store: SignedStore | None = None
 
     def fault_point(self, at: str, step: int) -> None:
         """Fire the configured fault for this point of the protocol, if any (each at most once)."""
@@ -127,12 +129,13 @@ class WorkerContext:
                 return
 
     @property
-    def store(self) -> dist.TCPStore:
+    def store(self) -> SignedStore:
         # One cached client: fresh TCPStore connections sometimes stall for seconds.
         if self._store is None:
-            self._store = dist.TCPStore(
-                self.store_host, self.store_port, is_master=False, wait_for_workers=False,
-                timeout=__import__("datetime").timedelta(seconds=self.config.join_timeout_s),
+            self._store = SignedStore(
+                dist.TCPStore(self.store_host, self.store_port, is_master=False, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=self.config.join_timeout_s)),
+                secret_from_env(), on_forged=forged_reporter(self.events),
             )
         return self._store
 

@@ -30,6 +30,7 @@ from monarch_plugin.protocol import Action, Key, Phase, Plan, unfit_line
 from monarch_plugin.handshake import (FORMATION_BOUND_S, CollectiveInterrupted, CollectiveTimedOut, GenerationChanged,
                                       ProtocolError, barrier)
 from monarch_plugin.worker.collectives import abandon, new_group, wait_all
+from monarch_plugin.signing import Forged
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider, plan_heal, transfer_state
 
@@ -111,7 +112,7 @@ class ReplicaSession:
                     if self.flags.stop:
                         raise StopReplica("the controller stopped this replica") from e
                     raise ProtocolError("join", f"this replica's own procs could not form their group: {e}") from e
-            store.add(Key.ready(self.ctx.replica_id), 1)
+            store.set(Key.ready(self.ctx.replica_id, self.ctx.local_rank), b"1")
             self.ctx.events.emit("ready", replica=self.ctx.replica_id, pid=os.getpid())
         self.flags.set_phase(Phase.JOIN)
         tried = -1
@@ -144,10 +145,10 @@ class ReplicaSession:
             if not failed:
                 if not self.holds:  # before `formed`: a generation that formed is one whose members all hold it
                     self.holds = True
-                    self.ctx.store.add(Key.holds(self.ctx.replica_id), 1)
-                # Counted by the controller, which publishes a grow only once the generation has formed:
+                    self.ctx.store.set(Key.holds(self.ctx.replica_id, self.ctx.local_rank), b"1")
+                # Read by the controller, which publishes a grow only once the generation has formed:
                 # a member leaving a half-formed generation for a newer plan would strand its peers in it.
-                self.ctx.store.add(Key.formed(self.gen), 1)
+                self.ctx.store.set(Key.formed(self.gen, self.ctx.replica_id, self.ctx.local_rank), b"1")
                 return
             reason = str(failure) if failure else "another proc of this replica could not join this generation"
             self.ctx.events.emit("join_retry", gen=plan.gen, reason=reason)
@@ -217,7 +218,10 @@ class ReplicaSession:
                     "generation after its own was aborted: is the controller still running?"
                 )
             if not self.flags.wait_for_plan(seen, PLAN_CHECK_S):
-                self.flags.plan(int(store.get(Key.LATEST)))
+                try:
+                    self.flags.plan(int(store.get(Key.LATEST)))
+                except Forged:  # reported; the controller's own announcements still come as messages
+                    pass
 
     def _form(self, plan: Plan, step: int) -> None:
         g, members = plan.gen, plan.members
@@ -406,7 +410,7 @@ class ReplicaSession:
         self.flags.set_phase(Phase.FINISH)
         aborted = False
         try:
-            barrier(self.ctx.store, Key.finished(self.gen, self.ctx.local_rank), self.world,
+            barrier(self.ctx.store, Key.finished(self.gen, self.ctx.local_rank), self.rank, self.world,
                     self.ctx.config.join_timeout_s, lambda: self.flags.abort_gen > self.gen or self.flags.stop)
         except GenerationChanged:
             aborted = True

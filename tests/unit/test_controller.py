@@ -263,10 +263,12 @@ def _notice(run, rid: int, sig: str = "SIGTERM") -> None:
     import torch.distributed as dist
 
     from monarch_plugin.protocol import Drain, Key
+    from monarch_plugin.signing import SECRET_ENV, SignedStore
 
     port = run.events("run_start")[0]["store_port"]
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=10))
+    store = SignedStore(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=10)),
+                        bytes.fromhex(run.fleet.envs[rid][SECRET_ENV]))
     store.append(Key.DRAINS, Drain(rid, 0, sig, 0).line())
     store.add(Key.DRAIN_COUNT, 1)
 

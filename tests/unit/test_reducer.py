@@ -22,6 +22,13 @@ def pg():
     return dist.ProcessGroupGloo(dist.PrefixStore("t", store), 0, 1, datetime.timedelta(seconds=10))
 
 
+def _signed(store):
+    """A store as the run's processes see it, signing with a test secret."""
+    from monarch_plugin.signing import SignedStore
+
+    return SignedStore(store, b"test secret")
+
+
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -114,8 +121,8 @@ def test_group_construction_is_abandoned_when_a_newer_generation_comes():
     from monarch_plugin.handshake import GenerationChanged
     from monarch_plugin.worker.collectives import new_group
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    store.add("g/arrived", 1)  # the peer (rank 1) arrived at the barrier, then died before constructing
+    store = _signed(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+    store.set("g/arrived/1", b"1")  # the peer (rank 1) arrived at the barrier, then died before constructing
     superseded = threading.Event()
     threading.Timer(0.5, superseded.set).start()
     t0 = time.monotonic()
@@ -133,21 +140,22 @@ def test_a_barrier_blocks_on_its_decision_and_every_outcome_reaches_every_member
 
     from monarch_plugin.handshake import CollectiveTimedOut, GenerationChanged, barrier, supersede
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = _signed(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
 
     def members(prefix: str, n: int, timeout_s: float = 30.0) -> tuple[list, list[threading.Thread]]:
-        """`n` members, each with its own client, as each proc has: a client serves one request at a time."""
+        """`n` members (ranks 1..n), each with its own client, as each proc has: a client serves one request at a
+        time."""
         outcomes = []
 
-        def member():
-            own = dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False)
+        def member(rank):
+            own = _signed(dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False))
             try:
-                barrier(own, prefix, 3, timeout_s, superseded=lambda: False)
+                barrier(own, prefix, rank, 3, timeout_s, superseded=lambda: False)
                 outcomes.append(("go", time.monotonic()))
             except (GenerationChanged, CollectiveTimedOut) as e:
                 outcomes.append((type(e).__name__, time.monotonic()))
 
-        threads = [threading.Thread(target=member) for _ in range(n)]
+        threads = [threading.Thread(target=member, args=(rank,)) for rank in range(1, n + 1)]
         for t in threads:
             t.start()
         return outcomes, threads
@@ -156,7 +164,7 @@ def test_a_barrier_blocks_on_its_decision_and_every_outcome_reaches_every_member
     time.sleep(0.5)
     assert not outcomes  # two of three arrived: both wait
     last = time.monotonic()
-    barrier(store, "all", 3, 30.0, superseded=lambda: False)
+    barrier(store, "all", 0, 3, 30.0, superseded=lambda: False)
     for t in threads:
         t.join(5)
     assert [o for o, _ in outcomes] == ["go", "go"] and max(t for _, t in outcomes) - last < 0.5
@@ -169,14 +177,14 @@ def test_a_barrier_blocks_on_its_decision_and_every_outcome_reaches_every_member
         t.join(5)
     assert [o for o, _ in outcomes] == ["GenerationChanged"] * 2 and max(t for _, t in outcomes) - superseded_at < 0.5
     with pytest.raises(GenerationChanged):  # a late arrival leaves on arriving
-        barrier(store, "replaced", 3, 30.0, superseded=lambda: False)
+        barrier(store, "replaced", 0, 3, 30.0, superseded=lambda: False)
 
     outcomes, threads = members("short", 2, timeout_s=0.5)
     for t in threads:
         t.join(5)
     assert [o for o, _ in outcomes] == ["CollectiveTimedOut"] * 2
     with pytest.raises(CollectiveTimedOut):  # decided once: the member who comes last does not go on alone
-        barrier(store, "short", 3, 30.0, superseded=lambda: False)
+        barrier(store, "short", 0, 3, 30.0, superseded=lambda: False)
 
 
 def test_a_waiting_worker_learns_of_its_next_generation_from_the_push():
