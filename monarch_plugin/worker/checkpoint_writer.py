@@ -13,7 +13,7 @@ import torch.distributed as dist
 from monarch_plugin.checkpoint import prune, step_path
 from monarch_plugin.worker.dtensors import is_dtensor
 
-__all__ = ["CheckpointWriter", "detached_copy", "native_rng", "portable_rng"]
+__all__ = ["CheckpointWriter", "detached_copy"]
 
 
 class CheckpointWriter:
@@ -76,27 +76,6 @@ class CheckpointWriter:
             removed = prune(self._directory, self._keep)
             if removed:
                 self._emit("checkpoint_pruned", paths=removed)
-
-
-def portable_rng(state: dict) -> dict:
-    """A proc's random generators (`transaction.rng_state`) in the types a checkpoint loads without running code:
-    NumPy's key array as a tensor, its other fields and Python's state as plain numbers."""
-    out = dict(state)
-    if "numpy" in state:
-        name, keys, pos, has_gauss, cached = state["numpy"]
-        out["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "rest": [name, int(pos), int(has_gauss),
-                                                                                   float(cached)]}
-    return out
-
-
-def native_rng(state: dict) -> dict:
-    """What `portable_rng` made, back in the types the generators take."""
-    out = dict(state)
-    if "numpy" in state:
-        name, pos, has_gauss, cached = state["numpy"]["rest"]
-        out["numpy"] = (name, state["numpy"]["keys"].numpy().astype("uint32"), pos, has_gauss, cached)
-    out["python"] = (state["python"][0], tuple(state["python"][1]), state["python"][2])
-    return out
 
 
 def detached_copy(obj: Any, staging: dict | None = None, _at: tuple = ()) -> Any:

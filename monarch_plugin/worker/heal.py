@@ -3,8 +3,8 @@ pulls the whole training state from a healthy donor over the network, not from d
 
 The donor serves its state from the training thread itself, at a step boundary, so it never reads tensors
 that an optimizer step or an FSDP forward is mutating (torchtitan's torchft path crashed the donor that way).
-The state is split into a pickled skeleton and its tensors; the skeleton goes first so receivers can
-allocate, then one broadcast per tensor (measured fastest here: one flat buffer was 5-10x slower).
+The state is split into a skeleton and its tensors; the skeleton goes first so receivers can
+allocate (read back with torch's `weights_only` unpickler, `_SKELETON_TYPES`: a donor's skeleton is data, never code), then one broadcast per tensor (measured fastest here: one flat buffer was 5-10x slower).
 Several healthy replicas at the newest step (up to `heal_donors`) serve one heal together: each sends a disjoint
 share of the tensors (`shares`: contiguous runs of about equal bytes, which donors and receivers compute alike from
 the tensors' sizes) over a group of its own, so the receivers take in that many streams at once. One stream is
@@ -16,7 +16,7 @@ the receiver rebuilds it on its own device mesh, which the provider names (`devi
 from __future__ import annotations
 
 import bisect
-import pickle
+import io
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -208,14 +208,16 @@ def transfer_state(
         sizes = [t.numel() * t.element_size() for t in tensors]
         bound_s = heal_bound_s(sum(sizes), bytes_per_s)
         if share == 0:
-            skeleton = pickle.dumps(skeleton_obj)
+            buffer = io.BytesIO()
+            torch.save(skeleton_obj, buffer)
+            skeleton = buffer.getvalue()
             skeleton_bytes = len(skeleton)
             bcast(torch.tensor([skeleton_bytes, int(bound_s * 1000)], dtype=torch.int64), HEAL_FLOOR_S)
             bcast(torch.frombuffer(bytearray(skeleton), dtype=torch.uint8), bound_s)
     else:
         header = bcast(torch.zeros(2, dtype=torch.int64), HEAL_FLOOR_S)
         skeleton_bytes, bound_s = int(header[0]), int(header[1]) / 1000
-        skeleton_obj = pickle.loads(bcast(torch.empty(skeleton_bytes, dtype=torch.uint8), bound_s).numpy().tobytes())
+        skeleton_obj = _load_skeleton(bcast(torch.empty(skeleton_bytes, dtype=torch.uint8), bound_s).numpy().tobytes())
     if fault_point is not None:
         fault_point("heal_donor" if share is not None else "heal_recipient")
 
@@ -235,6 +237,26 @@ def transfer_state(
     if share is not None:
         return None, moved
     return _join(skeleton_obj, payload, getattr(provider, "device_mesh", None)), moved
+
+
+def _load_skeleton(raw: bytes) -> Any:
+    """The donor's skeleton, read with torch's `weights_only` unpickler: containers, numbers, strings, dtypes and the
+    types named in `_SKELETON_TYPES` only. Whatever else a skeleton names is refused, not run: a process that took
+    the donor's place (or a front end's state holding an object) fails the heal with the type named."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import Partial
+
+    try:
+        with torch.serialization.safe_globals([_TensorSlot, _ShardSlot, Shard, Replicate, Partial]):
+            return torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch's UnpicklingError names the type it refused
+        raise ProtocolError("heal", f"the donor's state holds a type a heal does not carry ({_first_line(e)}): keep "
+                            "the state's non-tensor values to numbers, strings, lists and dicts") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if "GLOBAL" in line or "Unsupported" in line),
+                str(e).splitlines()[0] if str(e) else type(e).__name__)
 
 
 def _collect_slots(obj: Any, out: list[_TensorSlot]) -> None:

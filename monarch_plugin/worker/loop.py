@@ -25,7 +25,7 @@ from monarch_plugin.checkpoint import complete, newest, step_path
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
-from monarch_plugin.worker.checkpoint_writer import CheckpointWriter, native_rng, portable_rng
+from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
 from monarch_plugin.worker.dtensors import is_dtensor
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
@@ -308,7 +308,7 @@ class ElasticLoop:
             loop["scheduler"] = self.scheduler.state_dict()
         if self.extra_state is not None:
             loop["extra"] = self.extra_state.state_dict()
-        rng = portable_rng(rng_state(self._device))
+        rng = rng_state(self._device)
         return {"model": model, "optimizer": optimizer, "loop": loop,
                 f"lane{self._lane if lane is None else lane}": rng}
 
@@ -392,7 +392,7 @@ class ElasticLoop:
             self.scheduler.load_state_dict(loop["scheduler"])
         if self.extra_state is not None and "extra" in loop:
             self.extra_state.load_state_dict(loop["extra"])
-        set_rng_state(native_rng(state[f"lane{lane}"]), self._device)
+        set_rng_state(state[f"lane{lane}"], self._device)
         if self.tx:
             self.tx.session.fresh = False
         return True

@@ -339,18 +339,26 @@ class TrainingState:
 
 def rng_state(device: torch.device) -> dict:
     """This proc's random generators: Python's, NumPy's, torch's CPU one, and the GPU it trains on. Only that one:
-    a proc of a k-proc replica sees its replica's k GPUs, and reading a sibling's would create a context there."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    a proc of a k-proc replica sees its replica's k GPUs, and reading a sibling's would create a context there.
+    In types that a heal's skeleton and a checkpoint carry without running code (tensors, numbers, strings, lists):
+    NumPy's key array as a tensor."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"keys": torch.from_numpy(keys.astype("int64")),
+                       "rest": [name, int(pos), int(has_gauss), float(cached)]}}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
-    """Restore what `rng_state` took; tensors may arrive on the wire's device (a GPU under NCCL)."""
-    random.setstate(state["python"])
+    """Restore what `rng_state` took; tensors may arrive on the wire's device (a GPU under NCCL), and sequences as
+    lists (a checkpoint's)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     if "numpy" in state:
-        np.random.set_state(state["numpy"])
+        name, pos, has_gauss, cached = state["numpy"]["rest"]
+        np.random.set_state((name, state["numpy"]["keys"].cpu().numpy().astype("uint32"), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)

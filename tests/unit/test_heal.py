@@ -58,3 +58,37 @@ def test_shares_split_the_tensors_by_bytes_without_cutting_one():
     assert [i for run in split for i in run] == list(range(len(sizes)))  # every tensor once, in order
     halves = [sum(sizes[i] for i in run) for run in split]
     assert abs(halves[0] - halves[1]) <= max(sizes)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (print, ("a donor's skeleton ran code in its receiver",))
+
+
+def test_a_skeleton_is_read_as_data_and_one_naming_other_code_is_refused_not_run(capsys):
+    """The receiver reads the donor's skeleton with torch's `weights_only` unpickler: slots, placements, an RNG state
+    come back; anything else it names is refused (whoever sent it), and nothing of it runs."""
+    import io
+    import random
+
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from monarch_plugin.handshake import ProtocolError
+    from monarch_plugin.worker.heal import _ShardSlot, _TensorSlot, _load_skeleton
+    from monarch_plugin.worker.transaction import rng_state
+
+    def wire(obj) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    skeleton = {"w": _TensorSlot(0, (2, 3), torch.float32, True), "rng": rng_state(torch.device("cpu")),
+                "s": _ShardSlot(1, (2,), torch.bfloat16, False, (Shard(0), Replicate()), (4,), (1,)),
+                "optimizer": [{"lr": 0.1, "betas": (0.9, 0.999), "name": None}], "python": random.getstate()}
+    back = _load_skeleton(wire({**skeleton, "rng": {**skeleton["rng"], "torch": _TensorSlot(2, (8,), torch.uint8,
+                                                                                            True)}}))
+    assert back["s"] == skeleton["s"] and back["w"] == skeleton["w"] and back["python"] == skeleton["python"]
+    with pytest.raises(ProtocolError, match="a heal does not carry"):
+        _load_skeleton(wire({"w": skeleton["w"], "x": _RunsCode()}))
+    assert "ran code" not in capsys.readouterr().out
