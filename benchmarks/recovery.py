@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -61,10 +62,11 @@ def run_ddp(work: Path, size: str, replicas: int, steps: int) -> dict:
 
 def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, spares: int = 0,
                 forkserver: bool = True, min_replicas: int = 2, heal_donors: int | None = None,
-                fault: str | None = None, name: str = "") -> dict:
+                fault: str | None = None, name: str = "", tree: Path | None = None) -> dict:
     """`heal_donors`: `--heal-donors`; None, the runtime's default. `fault`: the failure is this `--fault`, fired
     inside replica 1 (a `MODE` of `raise`, `oom`, ...: `MODE:replica=1:step=<kill_at>...`), instead of a SIGKILL
-    from here; `name` tells the run's folder apart."""
+    from here; `name` tells the run's folder apart. `tree`: run monarch_plugin from this checkout (another commit's)
+    instead of the installed one."""
     donors = () if heal_donors is None else ("--heal-donors", str(heal_donors))
     injected = () if fault is None else ("--fault", fault.format(step=kill_at))
     out = work / f"elastic-{size}-spares{spares}{'' if forkserver else '-fresh'}{''.join(donors)}{name}"
@@ -75,7 +77,8 @@ def run_elastic(work: Path, size: str, replicas: int, steps: int, kill_at: int, 
                              *donors, *injected,
                              "--events", str(events_path), str(WORKLOAD), "--mode", "elastic", "--size", size,
                              "--steps", str(steps), "--out", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=out,
+                            env={**os.environ, "PYTHONPATH": str(tree)} if tree else None)
     try:
         if fault is None:
             _wait_lines(out / "steps-1.txt", kill_at, proc, timeout=1800)
@@ -115,16 +118,57 @@ def run_restart(work: Path, size: str, replicas: int, steps: int, kill_at: int, 
             "series": {"rank0": series}}
 
 
+PLAN = {"10m": dict(steps=80, kill_at=15, every=10), "100m": dict(steps=40, kill_at=8, every=5)}
+
+COMPARED = ("step_s", "kill_to_detected", "kill_to_next_commit", "ready_to_healed", "replace_to_participating")
+"""What `--against` compares: the steady step, and the generation changes of a recovery (the survivors' re-formation,
+the newcomer's heal group and its admission)."""
+
+
+def against(work: Path, rev: str, size: str, replicas: int, repeats: int) -> dict:
+    """The elastic run with replica 1 SIGKILLed, on commit `rev` and on HEAD (each a checkout of its own, so what is
+    not committed stays out), alternated `repeats` times: the median of each `COMPARED` metric per side, and HEAD's
+    over `rev`'s."""
+    sides = {rev: work / f"tree-{rev}", "HEAD": work / "tree-HEAD"}
+    for name, tree in sides.items():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), name], check=True, cwd=HERE.parent,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs: dict[str, list[dict]] = {name: [] for name in sides}
+    try:
+        for repeat in range(repeats):
+            for name, tree in sides.items():
+                runs[name].append(run_elastic(work, size, replicas, PLAN[size]["steps"], PLAN[size]["kill_at"],
+                                              name=f"-{name}-{repeat}", tree=tree))
+    finally:
+        for tree in sides.values():
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=HERE.parent, check=False)
+    medians = {name: {k: statistics.median(r[k] for r in rs if r.get(k) is not None) for k in COMPARED}
+               for name, rs in runs.items()}
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True,
+                          text=True).stdout.strip()
+    return {"size": size, "replicas": replicas, "repeats": repeats, "head": head, rev: medians[rev],
+            "HEAD": medians["HEAD"], "ratio": {k: medians["HEAD"][k] / medians[rev][k] for k in COMPARED}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes", nargs="+", default=["10m", "100m"])
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--work", default="/tmp/monarch_plugin_bench")
+    p.add_argument("--against", metavar="REV", help="compare HEAD's elastic run with commit REV's, alternated "
+                   "(writes recovery-vs-REV.json)")
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
-    plan = {"10m": dict(steps=80, kill_at=15, every=10), "100m": dict(steps=40, kill_at=8, every=5)}
+    if args.against:
+        result = against(work, args.against, args.sizes[0], args.replicas, args.repeats)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"recovery-vs-{args.against}.json").write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+        return
+    plan = PLAN
     results = {}
     for size in args.sizes:
         cfg = plan[size]

@@ -159,6 +159,14 @@ class SignedStore(dist.Store):
             self.get(key)
         return True
 
+    def member_token(self, group: str, rank: int) -> bytes:
+        """What the member of rank `rank` of the group named `group` shows the others once the group is built
+        (`collectives.new_group`): only a holder of the secret can make it."""
+        return hmac.new(self._secret, f"member\0{group}\0{rank}".encode(), hashlib.sha256).digest()
+
+    def is_member_token(self, group: str, rank: int, token: bytes) -> bool:
+        return hmac.compare_digest(token, self.member_token(group, rank))
+
     def add(self, key: str, value: int) -> int:
         return self._inner.add(key, value)
 

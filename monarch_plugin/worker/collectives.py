@@ -143,8 +143,40 @@ def new_group(
         if superseded():  # the constructor's own store wait saw the newer plan first, and ended the thread
             raise GenerationChanged(f"{prefix}: abandoned during construction (a newer generation)") from built["error"]
         raise CollectiveFailed(f"{prefix}: group construction failed: {built['error']}") from built["error"]
-    _store_of[id(built["pg"])] = polling
-    return built["pg"]
+    pg = built["pg"]
+    _store_of[id(pg)] = polling
+    try:
+        _prove_members(pg, store, prefix, rank, world, backend, time.monotonic() + bound, superseded)
+    except CollectiveInterrupted:
+        abandon(pg)
+        raise
+    return pg
+
+
+def _prove_members(pg, store: SignedStore, prefix: str, rank: int, world: int, backend: str, by: float,
+                   superseded) -> None:
+    """Every member of the new group holds the run's secret: one all-gather of each rank's token
+    (`SignedStore.member_token`), checked by every member, before the group carries anything. The rendezvous values
+    are signed already; this catches a process that took a rank some other way (a connection to a member's
+    listening socket that beat the real peer's). A group that fails it is abandoned, and the generation re-formed."""
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    mine = torch.frombuffer(bytearray(store.member_token(prefix, rank)), dtype=torch.uint8).to(device)
+    theirs = [torch.empty_like(mine) for _ in range(world)]
+    work = pg.allgather([theirs], [mine])
+    while not work.is_completed():
+        if superseded():
+            raise GenerationChanged(f"{prefix}: abandoned while its members proved themselves (a newer generation)")
+        if time.monotonic() > by:
+            raise CollectiveTimedOut(f"{prefix}: its members did not prove themselves in time")
+        time.sleep(0.0005)
+    try:
+        work.wait()
+    except Exception as e:  # noqa: BLE001 - a member died right after construction: a runtime event, not a bug
+        raise CollectiveFailed(f"{prefix}: the members' proof failed: {e}") from e
+    for r, token in enumerate(theirs):
+        if not store.is_member_token(prefix, r, token.cpu().numpy().tobytes()):
+            raise CollectiveFailed(f"{prefix}: the member at rank {r} does not hold the run's secret; the group is "
+                                   "abandoned")
 
 
 # A Python store lives only as long as its Python object, and the group keeps just the C++ side (NCCL may

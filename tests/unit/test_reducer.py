@@ -287,3 +287,40 @@ def test_buffers_are_averaged_at_commit_and_a_retried_attempt_starts_from_the_fi
     torch.testing.assert_close(bn.running_mean, moved)  # and the attempt goes on with its own
     reducer.begin_attempt(1)
     torch.testing.assert_close(bn.running_mean, 0.5 * local_mean)
+
+
+def test_a_member_without_the_runs_secret_is_found_as_soon_as_the_group_is_built():
+    """Two real gloo ranks; one signs with another secret (a process that took a seat some other way than through the
+    signed rendezvous). Each finds the other out in the members' proof, and the group is never used."""
+    import threading
+    import time
+
+    from monarch_plugin.handshake import CollectiveFailed
+    from monarch_plugin.signing import SignedStore
+    from monarch_plugin.worker.collectives import _prove_members
+
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    secrets = {"honest": (b"the run's", b"the run's"), "imposter": (b"the run's", b"a guess")}
+    for case, keys in secrets.items():
+        groups, outcomes = {}, {}
+
+        def member(rank):  # a client each: one TCPStore client serves one request at a time
+            client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+            groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore(case, client), rank, 2, datetime.timedelta(seconds=20))
+            try:
+                _prove_members(groups[rank], SignedStore(client, keys[rank]), case, rank, 2, "gloo",
+                               time.monotonic() + 10, lambda: False)
+                outcomes[rank] = "proved"
+            except CollectiveFailed as e:
+                outcomes[rank] = str(e)
+
+        threads = [threading.Thread(target=member, args=(rank,)) for rank in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        if case == "honest":
+            assert outcomes == {0: "proved", 1: "proved"}
+        else:
+            assert "rank 1 does not hold the run's secret" in outcomes[0]
+            assert "rank 0 does not hold the run's secret" in outcomes[1]
