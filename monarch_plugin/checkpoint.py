@@ -19,6 +19,8 @@ only what an allow-list admits.
 The run holds its checkpoint directory and its events file for itself (`runlock`): a second run pointed at them
 is refused, naming the first. Pruning keeps the newest `checkpoint_keep` complete checkpoints and never the
 newest complete one; what a crashed run left half-written is removed when the next run takes the directory.
+Holding it, the run makes it readable by its user only (0700, `filemodes`; `share_files` widens it), so whatever
+DCP writes inside is out of others' reach; a file written whole here (`save_file`) is created 0600 as well.
 
 `checkpoint_dir` may be an fsspec URL (``s3://bucket/run``; needs fsspec and that filesystem's package): written
 and read the same way, but not locked (object stores have no locks) nor cleaned at start (without a lock, a write
@@ -34,6 +36,7 @@ import shutil
 import torch
 
 from monarch_plugin.errors import ConfigError
+from monarch_plugin.filemodes import file_mode
 
 __all__ = ["checkpoints", "clean_stale", "complete", "is_url", "newest", "newest_written", "prune", "save_file",
            "step_of", "step_path"]
@@ -151,11 +154,12 @@ def clean_stale(directory: str) -> list[str]:
     return stale
 
 
-def save_file(state: dict, path: str) -> None:
+def save_file(state: dict, path: str, share: bool = False) -> None:
     """Write `state` to the one file `path` atomically: all of it, or (after a crash) nothing under that name (what
-    Lightning's checkpoints go through, `AtomicCheckpointIO`)."""
+    Lightning's checkpoints go through, `AtomicCheckpointIO`); readable by this user only unless `share`."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, file_mode(share))
+    with os.fdopen(fd, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())

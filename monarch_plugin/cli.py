@@ -8,11 +8,13 @@ The calling process becomes the single controller; each replica's procs get the 
 environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) scoped to their own replica group, and
 reach the elastic runtime through `monarch_plugin.ElasticLoop`.
 
-    monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts]
+    monarch-plugin token /shared/run1/token
+    monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts --token-file /shared/run1/token]
     monarch-plugin summary monarch_events.jsonl
     monarch-plugin timeline monarch_events.jsonl -o run.png [--html run.html]
 
-`host` runs this machine's Monarch host agent (`procs.agent`). `summary` prints each failure of a run as a table,
+`token` makes a multi-host job's token once (`admission`), `host` runs this machine's Monarch host agent
+(`procs.agent`). `summary` prints each failure of a run as a table,
 with the run's totals and goodput (`report.format_summary`); `timeline` draws the run over time (`timeline`;
 matplotlib, the `viz` extra). Both read only the events file and import neither torch nor Monarch
 (docs/observing.md).
@@ -191,6 +193,15 @@ def plugin(argv: list[str] | None = None) -> int:
     host.add_argument("--hosts-file", metavar="PATH",
                       help="append the address to this file (on a filesystem the controller reads) once listening, "
                            "so a run started with `--hosts-file PATH` finds this host, also mid-run")
+    host.add_argument("--token-file", metavar="PATH",
+                      help="the job's token (`monarch-plugin token PATH`): the line appended to --hosts-file carries "
+                           "an HMAC of the address under it, and a run started with `--token-file PATH` attaches "
+                           "only lines that carry one")
+    token = commands.add_parser(
+        "token", help="make a multi-host job's token once, before its agents and its run start",
+        description="Write a new random token to PATH, readable by this user only (0600); an existing token file is "
+                    "kept as it is. `-`: print one instead (to store as a Kubernetes secret).")
+    token.add_argument("path", metavar="PATH", help="the token file (`-`: print a token on stdout)")
     summary = commands.add_parser("summary", help="print a run's failures as a table, with its totals and goodput")
     summary.add_argument("events", metavar="EVENTS.jsonl", help="the run's events file")
     timeline = commands.add_parser("timeline", help="draw a run over time: replicas, steps/s, failures, recoveries")
@@ -204,9 +215,30 @@ def plugin(argv: list[str] | None = None) -> int:
         return _summary(ns)
     if ns.command == "timeline":
         return _timeline(ns)
+    if ns.command == "token":
+        return _token(ns.path)
     from monarch_plugin.procs.agent import serve
 
-    return serve(ns.address, ns.hosts_file)
+    return serve(ns.address, ns.hosts_file, ns.token_file)
+
+
+def _token(path: str) -> int:
+    """`monarch-plugin token PATH`: the job's token, made once."""
+    from monarch_plugin.admission import make_token, new_token
+
+    if path == "-":
+        print(new_token())
+        return 0
+    try:
+        made = make_token(path)
+    except (ConfigError, OSError) as e:
+        message = str(e).replace("`token_file`", "the token file") if isinstance(e, ConfigError) else str(e)
+        print(f"monarch-plugin token: error: {message}", file=sys.stderr)
+        return 2
+    print(f"monarch-plugin token: {'wrote a new token to' if made else 'kept the token already in'} {path} "
+          "(readable by this user only): give it to `monarch-run --token-file` and to every "
+          "`monarch-plugin host --token-file`")
+    return 0
 
 
 if __name__ == "__main__":

@@ -116,7 +116,14 @@ class ElasticConfig:
     hosts_file: str | None = None
     """A file of host agent addresses, one per line, re-read every second while the run goes on: a machine
     added to it (or an agent restarted on a new port) joins the run, which places replacements and grows onto
-    it. Used with or instead of ``hosts``."""
+    it. Used with or instead of ``hosts``. It must be the run's user's and writable by no one else (else it is
+    refused): without ``token_file`` every line of it is trusted."""
+
+    token_file: str | None = None
+    """The job's token (made once with ``monarch-plugin token PATH``; mode 0600, readable by this user only): a line
+    of ``hosts_file`` is attached only if it carries an HMAC of its address under this token, as
+    ``monarch-plugin host --token-file PATH`` writes it; any other line is refused (a ``host_refused`` event) and its
+    address never contacted. None: every line of ``hosts_file`` is trusted."""
 
     replicas_per_host: int | None = None
     """Most replicas one host holds at once. None: as many as its GPUs hold (``procs_per_replica`` GPUs each);
@@ -129,8 +136,8 @@ class ElasticConfig:
 
     store_host: str | None = None
     """The address the controller listens on (its rendezvous store; with ``hosts``, also Monarch's transport);
-    workers connect to it. None: 127.0.0.1 on one machine; with ``hosts``, this machine's address on the
-    interface that routes to the first host."""
+    workers connect to it. Never a wildcard (0.0.0.0, ::). None: 127.0.0.1 on one machine; with ``hosts``, this
+    machine's address on the interface that routes to the first host."""
 
     events_path: str | None = None
     """JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up),
@@ -159,6 +166,11 @@ class ElasticConfig:
     """Start from a durable checkpoint: "auto" for the newest complete one in ``checkpoint_dir`` (from scratch if
     there is none yet), or the path of one (its ``step<N>`` directory). Any number of replicas, of any number of
     procs, may resume it. None: from scratch."""
+
+    share_files: bool = False
+    """Create the events file, the lock files and the checkpoint directories readable by others (0644 files, 0755
+    directories, as the umask allows). False: readable by the run's user only (0600 / 0700): the events file names
+    the run's store and processes, and checkpoints hold the model."""
 
     fault: str | None = None
     """Opt-in fault injection for demos, tests and benchmarks, e.g. "sigkill:replica=1:step=20", or several
@@ -257,6 +269,13 @@ class ElasticConfig:
                               "unset", "replicas_per_host")
         for address in self.hosts:
             parse_host(address)
+        if self.store_host is not None and _wildcard(self.store_host):
+            raise ConfigError(f"`store_host` {self.store_host!r} is a wildcard address: the run's store (and, with "
+                              "`hosts`, Monarch's transport) would listen on every interface; give this machine's own "
+                              "IP on the network the hosts share, or leave it unset", "store_host")
+        if self.token_file is not None and not self.hosts_file:
+            raise ConfigError("`token_file` admits the lines of `hosts_file`: give `hosts_file` too, or drop "
+                              "`token_file`", "token_file")
         if self.checkpoint_interval_s and self.procs_per_replica > 1:
             raise ConfigError("`checkpoint_interval_s` needs `procs_per_replica` 1 (each proc of a replica would "
                               "go by its own clock and write its shard at another step): use `checkpoint_steps`",
@@ -307,6 +326,24 @@ def parse_host(address: str) -> tuple[str, int]:
     if ip in ("0.0.0.0", "::"):
         raise ConfigError(f"`hosts`: {address!r} is a wildcard address: give the host's own IP", "hosts")
     return ip, int(match["port"])
+
+
+def _wildcard(address: str) -> bool:
+    """Whether `address` (an IP, or a name) means every interface of the machine."""
+    import ipaddress
+
+    text = address.strip().strip("[]")
+    if text in ("", "*"):
+        return True
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        try:  # the short forms C's resolver takes too: "0", "0.0"
+            return socket.inet_aton(text) == bytes(4)
+        except OSError:
+            return False  # a host name: it resolves to an address of its own
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_unspecified or bool(mapped and mapped.is_unspecified)
 
 
 def route_address(host: str) -> str:

@@ -173,7 +173,7 @@ class ElasticController:
         self._held = held
         self.config = config
         self.target = target
-        self.events = EventLog(config.events_path, source="controller")
+        self.events = EventLog(config.events_path, source="controller", share=config.share_files)
         self.replicas: dict[int, _Replica] = {}
         self.gen = -1
         self.members: list[int] = []

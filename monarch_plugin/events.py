@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+from monarch_plugin.filemodes import file_mode, make_dirs
+
 __all__ = ["EventLog", "LEVELS", "read_events"]
 
 logger = logging.getLogger("monarch_plugin")
@@ -33,12 +35,13 @@ every event."""
 class EventLog:
     """Append-only JSON-lines sink shared by the controller and the workers of one run."""
 
-    def __init__(self, path: str | None, source: str):
+    def __init__(self, path: str | None, source: str, share: bool = False):
+        """`share`: create the file (and its directory, if missing) readable by others too; else by this user only
+        (`filemodes`). A run's controller creates it before the first event (`runlock.hold`), as its settings say."""
         self.path = path
         self.source = source
+        self.share = share
         self._lock = threading.Lock()
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def emit(self, kind: str, message: str | None = None, level: int | None = None, **fields: Any) -> dict:
         record = {"ts": time.time(), "event": kind, "source": self.source, **fields}
@@ -47,7 +50,11 @@ class EventLog:
         line = json.dumps(record, default=str) + "\n"
         if self.path:
             with self._lock:
-                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
+                except FileNotFoundError:  # its directory is not there yet: made on the first event
+                    make_dirs(os.path.dirname(os.path.abspath(self.path)), self.share)
+                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
                 try:
                     os.write(fd, line.encode())
                 finally:

@@ -3,6 +3,10 @@
 Two runs pointed at one checkpoint directory would prune each other's checkpoints and could resume one assembled
 from both; two on one events file would truncate and interleave each other's records. So a run holds both for
 itself from before anything is spawned until it ends, and a second run is refused, naming the first.
+
+Holding them, the run also creates them readable by its user only (`filemodes`; `share_files` widens it): the
+events file 0600 before its first event (one left wider by an earlier run is narrowed: the run empties it anyway),
+the lock files 0600, and the directories made for them, the checkpoint directory among them, 0700.
 """
 
 from __future__ import annotations
@@ -11,11 +15,13 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError
+from monarch_plugin.filemodes import file_mode, make_dirs
 
 __all__ = ["RunLock", "hold", "holds_checkpoints"]
 
@@ -32,20 +38,42 @@ def holds_checkpoints(config: ElasticConfig) -> bool:
 
 def hold(config: ElasticConfig) -> list["RunLock"]:
     """The run's events file and, if it writes or resumes `ElasticLoop` checkpoints in a local directory, that
-    directory, held until each lock is released; ConfigError naming the run that holds one."""
+    directory, held until each lock is released; ConfigError naming the run that holds one. The events file is
+    created (or narrowed) with the mode `share_files` asks for, once both are held."""
     locks: list[RunLock] = []
     try:
         if config.events_path:
             locks.append(RunLock(f"{config.events_path}.lock", f"the events file {config.events_path}",
-                                 "events_path"))
+                                 "events_path", share=config.share_files))
         if holds_checkpoints(config):
             locks.append(RunLock(os.path.join(config.checkpoint_dir, LOCK_NAME),
-                                 f"the checkpoint directory {config.checkpoint_dir}", "checkpoint_dir"))
+                                 f"the checkpoint directory {config.checkpoint_dir}", "checkpoint_dir",
+                                 share=config.share_files))
     except ConfigError:
         for lock in locks:
             lock.release()
         raise
+    if config.events_path:
+        try:
+            _create(config.events_path, config.share_files)
+        except OSError as e:
+            for lock in locks:
+                lock.release()
+            raise ConfigError(f"the events file {config.events_path} cannot be written ({e.strerror}): give this run "
+                              "an `events_path` it can write", "events_path") from None
     return locks
+
+
+def _create(path: str, share: bool) -> None:
+    """The events file at `path`, created with `file_mode(share)` before anyone writes it; an existing one of this
+    user's that others may read is narrowed to 0600 unless `share` (the run empties it anyway)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, file_mode(share))
+    try:
+        st = os.fstat(fd)
+        if not share and stat.S_ISREG(st.st_mode) and st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 class RunLock:
@@ -59,11 +87,12 @@ class RunLock:
     without locks (some FUSE mounts, object-store mounts) either refuse the lock, which is reported, or grant it to
     everyone, which excludes nothing: give such runs their own directories."""
 
-    def __init__(self, path: str, what: str, option: str):
-        """`path`: the lock file. `what` names what it guards and `option` the setting to change, in messages."""
+    def __init__(self, path: str, what: str, option: str, share: bool = False):
+        """`path`: the lock file. `what` names what it guards and `option` the setting to change, in messages.
+        `share`: the lock file, and the directories made for it, readable by others too (`filemodes`)."""
         self.path = path
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        make_dirs(os.path.dirname(os.path.abspath(path)), share)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode(share))
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

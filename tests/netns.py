@@ -5,7 +5,8 @@ Each host is a namespace joined to a bridge in the root namespace by a veth pair
 `monarch-run`) runs in the root namespace on the bridge's address. Everything created is named after this
 process and removed by `close()`, which the fixture calls on pass and on failure: the processes inside the
 namespaces (all started by the test) are killed by pid, then the namespaces and the bridge are deleted.
-Needs root; `available()` says whether this machine can run them.
+Needs root; `available()` says whether this machine can run them. With `token=True` the job has a token
+(`monarch-plugin token`, in `token_file`), and every agent signs its hosts-file line with it (`--token-file`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def available() -> str | None:
 
 
 class NetnsHosts:
-    def __init__(self, count: int, tmp: Path):
+    def __init__(self, count: int, tmp: Path, token: bool = False):
         tag = f"mp{os.getpid() % 100000}"
         self.tag = tag
         self.subnet = 20 + os.getpid() % 200
@@ -50,6 +51,13 @@ class NetnsHosts:
         tmp.mkdir(parents=True, exist_ok=True)
         self.hosts_file = tmp / "hosts"
         self.hosts_file.write_text("")
+        self.hosts_file.chmod(0o644)  # whatever the umask: a run refuses a hosts file others may write
+        self.token_file: Path | None = None
+        if token:
+            from monarch_plugin.admission import make_token
+
+            self.token_file = tmp / "token"
+            make_token(str(self.token_file))
         self.tmp = tmp
         self.agents: dict[int, subprocess.Popen] = {}
         self.ports: dict[int, int] = {}
@@ -90,7 +98,8 @@ class NetnsHosts:
         log = open(self.tmp / f"agent{i}-{port}.log", "w")
         self.agents[i] = subprocess.Popen(
             ["ip", "netns", "exec", self.names[i], sys.executable, "-m", "monarch_plugin.procs.agent", "host",
-             "--address", f"tcp://{self.ip(i)}:{port}", "--hosts-file", str(self.hosts_file)],
+             "--address", f"tcp://{self.ip(i)}:{port}", "--hosts-file", str(self.hosts_file),
+             *(["--token-file", str(self.token_file)] if self.token_file else [])],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         return self.address(i)
@@ -105,7 +114,7 @@ class NetnsHosts:
         """The first `count` addresses in the hosts file, once that many agents are listening."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            lines = [line for line in self.hosts_file.read_text().split("\n") if line]
+            lines = [line.split()[0] for line in self.hosts_file.read_text().split("\n") if line.strip()]
             if len(lines) >= count:
                 return lines[:count]
             time.sleep(0.1)

@@ -4,7 +4,8 @@ Lightning's `TorchCheckpointIO` writes a checkpoint by opening its final name an
 killed mid-write (its controller lost, its machine gone) leaves a truncated `.ckpt` under that name, the newest
 one, which `fit(ckpt_path=...)` then fails to load, or `ModelCheckpoint` counts as saved. `MonarchStrategy` uses
 this IO unless `Trainer(plugins=[...])` names another: local files go to a temporary name, are fsynced and renamed
-(the runtime's own `checkpoint.save_file`); a remote URL (`s3://...`) keeps Lightning's way.
+(the runtime's own `checkpoint.save_file`), readable by the run's user only unless `share_files`; a remote URL
+(`s3://...`) keeps Lightning's way.
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ __all__ = ["AtomicCheckpointIO"]
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    def __init__(self, share: bool = False) -> None:
+        super().__init__()
+        self.share = share
+        """Whether the files are created readable by others too (`share_files`); else 0600."""
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         get_filesystem(path).makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        save_file(checkpoint, str(path))
+        save_file(checkpoint, str(path), share=getattr(self, "share", False))

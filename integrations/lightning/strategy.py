@@ -40,6 +40,7 @@ from typing_extensions import override
 
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
+from monarch_plugin.filemodes import make_dirs
 import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
 from monarch_plugin.integrations.lightning.checkpoint_io import AtomicCheckpointIO
 from monarch_plugin.integrations.lightning.launcher import arguments_doc, check_training_loader, signature
@@ -60,7 +61,8 @@ class MonarchStrategy(ParallelStrategy):
     def __init__(self, elastic: Optional[ElasticConfig] = None, **kwargs: Any) -> None:
         self.settings = take_settings(type(self).__name__, elastic, kwargs)
         """The run's settings given here (`ElasticConfig` fields); the launcher adds Lightning's own (`devices`)."""
-        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO())  # Trainer(plugins=[...]) still replaces it
+        # Trainer(plugins=[...]) still replaces it
+        kwargs.setdefault("checkpoint_io", AtomicCheckpointIO(share=bool(self.settings.get("share_files", False))))
         super().__init__(**kwargs)
         self.num_nodes = 1
         """Lightning's `Trainer(num_nodes=...)`: the hosts the run starts on, `devices` replica procs on each."""
@@ -378,7 +380,7 @@ class MonarchStrategy(ParallelStrategy):
     def _write_give_up_checkpoint(self, committed: int) -> Optional[str]:
         self._update_rank_zero()  # the replica's first proc writes (every one takes part: FSDP gathers)
         config = self._ctx.config
-        os.makedirs(config.checkpoint_dir, exist_ok=True)
+        make_dirs(config.checkpoint_dir, config.share_files)  # 0700 unless `share_files`
         path = os.path.abspath(os.path.join(config.checkpoint_dir, f"step{committed:08d}.ckpt"))
         with self._progress_at_window_start():
             self.lightning_module.trainer.save_checkpoint(path)

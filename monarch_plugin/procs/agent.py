@@ -1,6 +1,6 @@
 """`monarch-plugin host`: this machine's Monarch host agent for multi-host runs.
 
-    monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts]
+    monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts --token-file /shared/run1/token]
 
 Start one on each machine (under SLURM: `srun --ntasks-per-node=1 monarch-plugin host --address
 tcp://$(hostname -i):26600 ...`), then point the controller at them: `monarch-run --hosts tcp://10.0.0.2:26600,...`
@@ -10,6 +10,11 @@ the controller goes away the agent kills the work it started and waits for the n
 to the agent (SLURM preempting or draining the node) is passed on to every proc it started: the controller drains
 this host's replicas at the next step boundary and places no more here; the agent goes on serving until it is
 killed, so that the controller can still stop them.
+
+With `--token-file` (the job's token, `monarch-plugin token`), the line the agent appends to the hosts file carries
+an HMAC of its address under the token (`admission.host_line`): a run started with the same `--token-file` attaches
+only lines that carry one, so whoever can append to the file but lacks the token cannot bring a machine into the
+run. The hosts file is created 0644 if it is not there: a run refuses one that others can write.
 """
 
 from __future__ import annotations
@@ -56,13 +61,20 @@ def _pass_on(name: str) -> bool:
     return False  # a second signal is passed on too
 
 
-def serve(address: str, hosts_file: str | None = None) -> int:
-    """Run the agent on `address` until it is killed; 2 after saying why on stderr if it cannot listen there."""
+def serve(address: str, hosts_file: str | None = None, token_file: str | None = None) -> int:
+    """Run the agent on `address` until it is killed; 2 after saying why on stderr if it cannot listen there, or
+    cannot read its token."""
+    from monarch_plugin.admission import host_line, read_token
+
     try:
         ip, _ = parse_host(address)
         _check_local(ip)
+        if token_file and not hosts_file:
+            raise ConfigError("--token-file signs the line this agent appends to --hosts-file: give --hosts-file too")
+        token = read_token(token_file, "--token-file") if token_file else None
     except ConfigError as e:
-        print(f"monarch-plugin host: error: {str(e).replace('`hosts`', '--address')}", file=sys.stderr)
+        message = str(e).replace("`hosts`", "--address").replace("`--token-file`", "--token-file")
+        print(f"monarch-plugin host: error: {message}", file=sys.stderr)
         return 2
     from monarch.actor import start_worker_loop_forever
 
@@ -73,9 +85,12 @@ def serve(address: str, hosts_file: str | None = None) -> int:
     serving = start_worker_loop_forever(ca="trust_all_connections", address=address)
     print(f"monarch-plugin host: agent listening on {address} (no TLS: keep this address on a private network)",
           flush=True)
-    if hosts_file:
-        with open(hosts_file, "a") as f:
-            f.write(address + "\n")
+    if hosts_file:  # one write of the whole line: agents appending at once never interleave
+        fd = os.open(hosts_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            os.write(fd, (host_line(address, token) + "\n").encode())
+        finally:
+            os.close(fd)
     serving.get()
     return 0
 

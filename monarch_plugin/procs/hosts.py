@@ -8,7 +8,9 @@ deaths and beats through the controller's store. A host whose beats stop for `ho
 replicas are gone together, in one generation change. Monarch's `monarch.job` launchers (SLURM, Kubernetes)
 attach a fixed set of hosts once; here hosts can also come later, from `hosts_file`, which is re-read every
 second: a machine added to it, or an agent restarted on a new port (Monarch does not re-attach an address it
-has marked lost), joins the run.
+has marked lost), joins the run. A line is attached only if `admission` admits it (a hosts file no one else can
+write; with `token_file`, a line carrying the HMAC of its address under the job's token): any other is refused
+with a `host_refused` event and its address is never contacted.
 
 Every death or loss becomes one typed report on the controller's queue (`protocol.Died`, `HostLost`, `HostUp`).
 """
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from monarch_plugin.procs import forkserver, notice
+from monarch_plugin.admission import admit, check_hosts_file, hosts_file_unsafe, read_token
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
 from monarch_plugin.procs.devices import GpuPlan, plan_gpus
@@ -99,6 +102,12 @@ class Hosts:
         self._forkserver_seen = False  # its event emitted
         self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
+        self._token: bytes | None = None  # the job's token: a hosts-file line is attached only if it carries its HMAC
+        self._refused: set[tuple[str, str]] = set()  # (line, why) of each refusal reported: reported once
+        if config.hosts_file:  # refused now, before anything is spawned, if others may write it (`admission`)
+            check_hosts_file(config.hosts_file)
+            if config.token_file:
+                self._token = read_token(config.token_file)
         if not config.multi_host:  # planned now, so a shortage of GPUs is a ConfigError before anything starts
             slots = config.replicas + config.spares
             gpus = plan_gpus(accelerator_kind(), torch.cuda.device_count(), os.environ, slots,
@@ -120,6 +129,11 @@ class Hosts:
         enable_transport(f"tcp://{self.config.store_host}:0")  # before any other Monarch call
         addresses = list(dict.fromkeys(self.config.hosts + self._listed()))
         self._tried.update(addresses)
+        if not addresses and self._refused:
+            raise ConfigError(f"`hosts_file` {self.config.hosts_file} admits no host and `hosts` is empty ("
+                              f"{'; '.join(why for _, why in sorted(self._refused))}): start each agent with "
+                              "`monarch-plugin host --hosts-file` (and `--token-file`, the run's `token_file`)",
+                              "hosts_file")
         if not addresses:
             raise ConfigError(f"`hosts_file` {self.config.hosts_file} lists no host yet and `hosts` is empty: "
                               "start `monarch-plugin host --address tcp://IP:PORT` on each machine and list them",
@@ -251,25 +265,39 @@ class Hosts:
     # -- other machines -------------------------------------------------------------------------------------
 
     def _listed(self) -> list[str]:
+        """The addresses `hosts_file` admits now (`admission`): none if others may write the file; with a token,
+        those whose line carries the HMAC of the address. Each refusal is reported once (`host_refused`), and a
+        refused address is never contacted."""
         path = self.config.hosts_file
         if not path:
             return []
         try:
-            with open(path) as f:
-                lines = [line.split("#")[0].strip() for line in f]
+            # The status of the file read, not of whatever the name points at afterwards; never blocking on a FIFO.
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
+                why = hosts_file_unsafe(os.fstat(f.fileno()), path)
+                lines = [] if why else [line.split("#")[0].strip() for line in f]
         except FileNotFoundError:
+            return []
+        if why:
+            self._refuse("", None, why)
             return []
         addresses = []
         for line in lines:
             if not line:
                 continue
-            try:
-                parse_host(line)
-            except ConfigError as e:
-                self.events.emit("host_refused", address=line, reason=str(e))
+            address, why = admit(line, self._token)
+            if why:
+                self._refuse(line, address, why)
                 continue
-            addresses.append(line)
+            addresses.append(address)
         return addresses
+
+    def _refuse(self, line: str, address: str | None, why: str) -> None:
+        if (line, why) in self._refused:
+            return
+        self._refused.add((line, why))
+        self.events.emit("host_refused", address=address or line or None, line=line or None,
+                         hosts_file=self.config.hosts_file, reason=why)
 
     def _attach(self, address: str) -> Host | None:
         """Attach the agent at `address` and start its watcher; the host joins live, or not at all."""

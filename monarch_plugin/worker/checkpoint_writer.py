@@ -25,8 +25,10 @@ class CheckpointWriter:
     coordinates the write (the group's rank 0) reports it and prunes once it is complete."""
 
     def __init__(self, directory: str, every_steps: int, every_s: float, coordinator: bool,
-                 emit: Callable[..., None], keep: int = 0):
+                 emit: Callable[..., None], keep: int = 0, share: bool = False):
+        """`share`: the checkpoints' directories readable by others too (`ElasticConfig.share_files`)."""
         self._directory, self._every_steps, self._every_s, self._keep = directory, every_steps, every_s, keep
+        self._share = share
         self._coordinator, self._emit = coordinator, emit
         self._last_at = time.monotonic()
         self._thread: threading.Thread | None = None
@@ -64,7 +66,7 @@ class CheckpointWriter:
         from monarch_plugin.worker import dcp_io  # here, not at the replica's start (`dcp_io`)
 
         try:
-            dcp_io.save(state, path, group)
+            dcp_io.save(state, path, group, self._share)
         except (Exception, dcp_io.CheckpointException) as e:  # noqa: BLE001 - a lost checkpoint stops nothing
             if self._coordinator:
                 self._emit("checkpoint_failed", step=step, path=path, error=dcp_io.describe(e)[:500])

@@ -24,19 +24,22 @@ from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from monarch_plugin.checkpoint import is_url
+from monarch_plugin.filemodes import make_dirs
 
 __all__ = ["CheckpointException", "describe", "load", "read_metadata", "save"]
 """`CheckpointException`: DCP's error on every proc when one failed to write or read (a BaseException)."""
 
 
-def save(state: dict, path: str, group: dist.ProcessGroup | None) -> None:
+def save(state: dict, path: str, group: dist.ProcessGroup | None, share: bool = False) -> None:
     """Write `state` as the checkpoint `path`, together with the other procs of `group` (None: this proc alone).
-    Complete only once DCP's coordinator (the group's rank 0) wrote the metadata, after every proc's files."""
+    Complete only once DCP's coordinator (the group's rank 0) wrote the metadata, after every proc's files. A local
+    `path`, and each directory missing above it, is made readable by this user only unless `share` (`filemodes`)."""
     if is_url(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # needs fsspec: imported here
 
         writer = FsspecWriter(path)
     else:
+        make_dirs(path, share)
         writer = dcp.FileSystemWriter(path)
     with _alone(group):
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)

@@ -123,7 +123,8 @@ class ElasticLoop:
         self._group = None  # `_checkpoint_group`
         self._checkpoints = (
             CheckpointWriter(config.checkpoint_dir, config.checkpoint_steps, config.checkpoint_interval_s,
-                             self._lane == 0, self.ctx.events.emit, keep=config.checkpoint_keep)
+                             self._lane == 0, self.ctx.events.emit, keep=config.checkpoint_keep,
+                             share=config.share_files)
             if self.ctx and (config.checkpoint_steps or config.checkpoint_interval_s) else None
         )
         if self.ctx and self.ctx.initial and config.resume:  # a replacement heals from its peers instead
@@ -339,7 +340,7 @@ class ElasticLoop:
         from monarch_plugin.worker import dcp_io
 
         path = step_path(self.config.checkpoint_dir, committed)  # the steps the state holds (`StepTransaction.held`)
-        dcp_io.save(self.checkpoint_state(), path, self._checkpoint_group())
+        dcp_io.save(self.checkpoint_state(), path, self._checkpoint_group(), self.config.share_files)
         return path if self._lane == 0 else None
 
     def _restore(self, path: str) -> int:

@@ -44,6 +44,8 @@ def test_a_lanes_failed_write_keeps_the_newest_complete_checkpoint_which_another
     assert first.events("checkpoint_failed")[0]["step"] == 12 and "IsADirectoryError" in \
         first.events("checkpoint_failed")[0]["error"]
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step"))[0] == "step00000008"
+    for private in (ckpt, ckpt / "step00000008", first.events_path):  # the run's user's alone (`share_files` off)
+        assert os.stat(private).st_mode & 0o077 == 0, (private, oct(os.stat(private).st_mode))
     before = _steps(first)
     assert len(before) >= 12
 

@@ -4,7 +4,8 @@ Each host is a Linux network namespace with its own network stack and a real `mo
 (`tests/netns.py`); the controller (`monarch-run --hosts-file`) runs in the root namespace, and the replicas'
 gloo groups cross the bridge between them. A host is lost the way a machine dies: the test SIGKILLs every
 process in its namespace, or its link is cut. Also here: no process of a multi-host job listens on a wildcard
-address (a single-host job's listeners are checked in test_elastic_run.py).
+address (a single-host job's listeners are checked in test_elastic_run.py), and a hosts-file line without the HMAC
+of its address under the job's token is never contacted.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -32,8 +34,8 @@ STEPS_14 = 14 * -(-SAMPLES // BATCH)
 def hosts(tmp_path):
     made: list[netns.NetnsHosts] = []
 
-    def make(count: int) -> netns.NetnsHosts:
-        made.append(netns.NetnsHosts(count, tmp_path / f"hosts{len(made)}"))
+    def make(count: int, token: bool = False) -> netns.NetnsHosts:
+        made.append(netns.NetnsHosts(count, tmp_path / f"hosts{len(made)}", token=token))
         return made[-1]
 
     yield make
@@ -317,14 +319,25 @@ def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_chan
                                                                                                        hosts):
     """SLURM preempting or draining a node signals its processes: SIGTERM to host 1's agent is passed on to the procs
     it started, both of its replicas leave at the same step boundary (its watcher tells the controller the whole host
-    is going), and their replacements go to the machine that joins next, never back to the host that is going."""
-    net = hosts(3)
+    is going), and their replacements go to the machine that joins next, never back to the host that is going.
+
+    The job has a token (`--token-file`): the agents' lines carry the HMAC of their addresses, and two lines the run's
+    own user wrote without it (one before the run, one appended mid-run) point at a socket the test listens on: both
+    are refused with a `host_refused` event, and nothing ever connects to that socket."""
+    net = hosts(3, token=True)
     for i in (0, 1):
         net.start_agent(i)
     net.wait_listed(2)
+    bait = socket.create_server(("127.0.0.1", 0))  # what a refused line points at: never contacted
+    bait.setblocking(False)
+    unsigned = f"tcp://127.0.0.1:{bait.getsockname()[1]}"
+    forged = f"{unsigned} hmac={'0' * 64}"
+    with open(net.hosts_file, "a") as f:
+        f.write(unsigned + "\n")
     run = elastic_run()
     samples, batch, epochs = 240, 24, 16  # 160 steps: long enough that the regrow onto a new host comes before the end
-    run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "4",
+    run.start("--hosts-file", str(net.hosts_file), "--token-file", str(net.token_file), "--store-host",
+              net.controller_ip, "--replicas", "4",
               "--min-replicas", "2", "--replicas-per-host", "2", "--host-timeout", "4", "--join-timeout", "120",
               script=WORKLOADS / "logged_loop.py",
               script_args=("--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
@@ -334,6 +347,9 @@ def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_chan
                  what="four committed steps")
     going = sorted(s["replica"] for s in run.events("spawn") if s["host"] == net.address(1))
     assert len(going) == 2, run.events("spawn")
+    with open(net.hosts_file, "a") as f:  # mid-run, re-read within a second
+        f.write(forged + "\n")
+    run.wait_for(lambda: len(run.events("host_refused")) == 2, timeout=30, what="the forged line refused")
     net.agents[1].send_signal(signal.SIGTERM)
     run.wait_for(lambda: run.events("drained") and len(run.events("drained")) == 2, timeout=60,
                  what="host 1's replicas to leave")
@@ -354,3 +370,12 @@ def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_chan
     results = run.results()
     assert len(results) == 4 and len({r["checksum"] for r in results.values()}) == 1
     _nothing_outlives(run)
+
+    refused = run.events("host_refused")
+    assert [(e["address"], e["line"]) for e in refused] == [(unsigned, unsigned), (unsigned, forged)], refused
+    assert "carries no HMAC" in refused[0]["reason"] and "does not verify" in refused[1]["reason"]
+    assert unsigned not in {e.get("address") for e in run.events("host_up") + run.events("host_unreachable")}
+    with pytest.raises(BlockingIOError):  # no connection ever came: none waits to be accepted
+        bait.accept()
+    bait.close()
+    assert sorted(e["address"] for e in run.events("host_up")) == [net.address(i) for i in range(3)]

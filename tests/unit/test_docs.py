@@ -80,6 +80,8 @@ def config_errors() -> list[str]:
     dict(backend="mpi"),
     dict(collective_timeout_s=0),
     dict(hosts=["10.0.0.2:26600"]),
+    dict(store_host="0.0.0.0"),
+    dict(token_file="token"),
     dict(fault="explode:step=3"),
 ])
 def test_each_raised_config_error_is_listed(kwargs, config_errors):
