@@ -86,6 +86,9 @@ class ReplicaSession:
         self._regroup_agreed = False
         self._picks = 0  # plans picked so far: the others of a multi-proc replica follow local rank 0's picks
         self._heal_rate: float | None = None  # bytes/s of the last heal this worker took part in
+        self.loading: Callable[[], None] = lambda: None
+        """Called just before a heal or a restore replaces this proc's state: until then, a join that fails leaves
+        the state it had (`StepTransaction.held`)."""
 
     # -- generations ---------------------------------------------------------------------------------
 
@@ -301,6 +304,7 @@ class ReplicaSession:
             for group in groups:
                 abandon(group)
         if state is not None:
+            self.loading()
             self.provider.load_state_dict(state)
         self.fresh = False
         self._heal_rate = moved.bytes / max(moved.seconds, 1e-6)
@@ -319,6 +323,7 @@ class ReplicaSession:
             raise ProtocolError("heal", f"generation {self.gen} restores {self.checkpoint}, but this front end cannot "
                                 "load a checkpoint mid-run: a bug in monarch-plugin (only ElasticLoop's are restored)")
         t0 = time.time()
+        self.loading()
         step = self.restore(self.checkpoint)
         self.fresh = False
         self.ctx.events.emit("restored", replica=self.ctx.replica_id, gen=self.gen, step=step, path=self.checkpoint,

@@ -77,6 +77,7 @@ class StepTransaction:
         ctx.transaction = self
         self.newest_checkpoint = newest_checkpoint or (lambda: None)
         self.session = ReplicaSession(ctx, provider, restore)
+        self.session.loading = self._release
         self.reducer = GradientReducer(params, self.session.device, overlap=overlap, buffers_of=buffers_of)
         self._give_up = give_up
         self._on_join = on_join
@@ -121,7 +122,7 @@ class StepTransaction:
         if not session.needs_join():
             self._hold(committed)
             return False
-        self.held = None  # a heal may load another state
+        self._hold(committed)  # until a heal or a restore loads another state (`ReplicaSession.loading`)
         with _runtime_part("join"):
             session.join(committed)
         self._hold(session.provider.step)
@@ -243,6 +244,10 @@ class StepTransaction:
         if path is not None:
             self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=self.held, path=path)
         return path
+
+    def _release(self) -> None:
+        """The state is about to be replaced (a heal, a restore): it holds no committed step until the join ends."""
+        self.held = None
 
     def _hold(self, committed: int) -> None:
         """At a step boundary: the state is that of `committed` steps, and these are its random generators."""
