@@ -12,20 +12,17 @@ gets its peers' phases checked, and the one stuck outside the reduction is kille
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, NoReturn
 
-import torch.distributed as dist
 
 from monarch_plugin import policies
 from monarch_plugin.backend import resolve_backend
@@ -34,6 +31,7 @@ from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeErr
 from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
 from monarch_plugin.procs.hosts import Hosts
+from monarch_plugin.procs.stores import AGENT_STORE_ENV, serve
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
 from monarch_plugin.runlock import RunLock, hold, holds_checkpoints
 from monarch_plugin.signing import SECRET_ENV, Forged, SignedStore, forged_reporter, new_secret
@@ -224,7 +222,7 @@ class ElasticController:
         previous = ({sig: signal.signal(sig, self._on_signal) for sig in NOTICE_SIGNALS}
                     if threading.current_thread() is threading.main_thread() else {})
         try:
-            self.store = SignedStore(_store_on(self.config.store_host, self.config.join_timeout_s),
+            self.store = SignedStore(serve(self.config.store_host, 0, self.config.join_timeout_s),
                                      bytes.fromhex(self._secret), on_forged=forged_reporter(self.events))
             self.store.set(Key.LATEST, "-1")
             if self.config.events_path:  # one file per run, so reports never mix runs
@@ -315,8 +313,10 @@ class ElasticController:
             "MONARCH_PLUGIN_STORE_HOST": self.config.store_host,
             "MONARCH_PLUGIN_STORE_PORT": str(self.store.port),
             SECRET_ENV: self._secret,
-            # The replica's own group stays on its host's loopback, gloo's sockets included.
+            # The replica's own group stays on its host's loopback, gloo's sockets and its store included (served by
+            # its first proc: `ReplicaActor`).
             "MASTER_ADDR": "127.0.0.1",
+            **AGENT_STORE_ENV,
             "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "WORLD_SIZE": str(k),
             "LOCAL_WORLD_SIZE": str(k),
@@ -1111,19 +1111,3 @@ class ElasticController:
             replica.mesh.stop().get(timeout=10)
         except Exception:  # noqa: BLE001 - a mesh holding a dead proc may refuse; the kill follows
             pass
-
-
-def _store_on(host: str, timeout_s: float) -> dist.TCPStore:
-    """The run's rendezvous store, listening on `host` only: TCPStore's own listener would take every interface,
-    so it is given a socket bound here. The store owns that socket from then on and closes it when it goes: a
-    second close by us could close whatever file took the same number meanwhile."""
-    listener = socket.create_server((host, 0), backlog=128)
-    try:
-        store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
-    except BaseException:
-        listener.close()
-        raise
-    listener.detach()
-    return store
-

@@ -20,6 +20,7 @@ from monarch_plugin.protocol import Key, Outcome, Raised
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
 from monarch_plugin.procs.lease import Lease
+from monarch_plugin.procs.stores import serve
 from monarch_plugin.signing import SECRET_ENV
 
 __all__ = ["ReplicaActor", "ControlActor"]
@@ -74,6 +75,8 @@ class ReplicaActor(Actor):
         os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
         # torch sized its thread pool when this process imported it, before the environment above arrived.
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        # The store the training code's `init_process_group` meets its siblings on, on loopback only (`procs.stores`).
+        self._replica_store = serve("127.0.0.1", int(env["MASTER_PORT"]), 300.0) if local_rank == 0 else None
         self._lease = None
         if "MONARCH_PLUGIN_LEASE_S" in env:  # on another host: cut off from the controller, this proc ends itself
             self._lease = Lease(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]),

@@ -76,6 +76,10 @@ def test_multi_proc_replica_is_replaced_whole(elastic_run):
               script=WORKLOADS / "two_procs_per_replica.py",
               script_args=(str(run.out), "60"))
     run.wait_for(lambda: run.progress(1) >= 5, timeout=120, what="replica 1 to train")
+    # The replicas' own stores (their `init_process_group`), which torch's rank 0 would serve on every interface,
+    # listen on loopback like everything else of the job.
+    found = listeners(descendants(run.proc.pid))
+    assert len(found) >= 3 and {address for address, _ in found} <= {"127.0.0.1", "[::1]"}, found
     pids = run.pids()
     assert len(pids[1]) == 2
     os.kill(pids[1][1], signal.SIGKILL)  # local rank 1 only
