@@ -114,7 +114,7 @@ class Plan:
 class Key:
     """The store's keys. Every value is signed with the run's secret (`signing.SignedStore`); what several procs each
     say (ready, formed, holds, arrived) is a key per proc, since a sum of `add`s carries no signature. The counters left
-    (`stalled`, the appended reports' counts, the host watchers' beats and deaths) only make a reader look sooner."""
+    (`stalled`, the appended reports' counts, the host watchers' beats) only make a reader look sooner, or later."""
 
     LATEST = "latest"
     """The newest generation's number, set after its plan."""
@@ -196,7 +196,9 @@ class Key:
 
     @staticmethod
     def host_deaths(host: int) -> str:
-        """Counter: worker procs the host's watcher saw exit; the n-th is `host_death(host, n)`."""
+        """How many worker procs the host's watcher saw exit, set by it after each record (signed, not a counter: a
+        count raised by someone else would have the controller wait for a record that never comes, and lose the host
+        for it); the n-th is `host_death(host, n)`."""
         return f"host/{host}/deaths"
 
     @staticmethod

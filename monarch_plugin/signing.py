@@ -1,6 +1,6 @@
 """The run's secret, and the store its processes sign every value in.
 
-The controller's TCPStore answers whoever connects (torch's store has no authentication, and Monarch 0.7.0 no TLS),
+The controller's TCPStore answers whoever connects (torch's store has no authentication, nor any TLS),
 so on one machine any local user, and on a job network any host, can write under the runtime's own keys. Every value
 the runtime writes there is therefore signed: an HMAC-SHA256 of the key and the value under a secret the controller
 makes for the run (`new_secret`) and gives the processes it spawns through their environment (`SECRET_ENV`), never
@@ -11,8 +11,9 @@ through the same store, so a process without the secret cannot take a rank in a 
 What a signature cannot stop, an unauthenticated store cannot: a writer without the secret can still erase or
 overwrite a key. The runtime then sees a forged value where it needs a real one, and the run stops with its give-up
 checkpoint and a message naming the key (or, in a group's rendezvous, abandons that formation and forms the next).
-Counters (`add`) carry no signature: the runtime keeps them only where a forged count can make it look sooner, never
-decide (`Key.stalled`, the host watchers' beats and death counts, each death record itself signed).
+Counters (`add`) carry no signature: the runtime keeps them only where a forged count can make it look sooner, or a
+lost host's loss be noticed later, never decide (`Key.stalled`, the appended reports' counts, the host watchers'
+beats).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ and prints a line for each thing it did, which the test reads back.
 
     python tests/attacker.py --port P steer     # forged reports, plans and a stall, then a formation's addresses
     python tests/attacker.py --port P preempt   # the next formation's decision taken before the members decide it
+    python tests/attacker.py --host IP --port P hosts   # a host's deaths and another's loss, from the job network
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import torch.distributed as dist
 _TAG = 64  # what the runtime's signature adds to a value (`signing`): the attacker can read values, not sign them
 
 
+HOST = "127.0.0.1"
+
+
 def client(port: int) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=60))
+    return dist.TCPStore(HOST, port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
 
 
 def generation(store: dist.TCPStore) -> int:
@@ -96,13 +99,30 @@ def preempt(port: int) -> None:
     say("stalled", gen=g)
 
 
+def hosts(port: int) -> None:
+    """A multi-host run's watch, from a machine on the job network: three deaths on host 0, with their records and
+    their count, and host 1 declared lost."""
+    store = client(port)
+    for n in (1, 2, 3):
+        store.set(f"host/0/death/{n}", json.dumps({"replica": 0, "pid": 1}))
+    store.set("host/0/deaths", "3")
+    store.set("host/1/lost", "1")
+    say("forged", keys=["host/0/death/1", "host/0/death/2", "host/0/death/3", "host/0/deaths", "host/1/lost"])
+
+
 def main() -> None:
+    global HOST
     p = argparse.ArgumentParser()
+    p.add_argument("--host", default=HOST, help="the store's address")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--replicas", type=int, default=3)
-    p.add_argument("attack", choices=["steer", "preempt"])
+    p.add_argument("attack", choices=["steer", "preempt", "hosts"])
     args = p.parse_args()
-    steer(args.port, args.replicas) if args.attack == "steer" else preempt(args.port)
+    HOST = args.host
+    if args.attack == "steer":
+        steer(args.port, args.replicas)
+    else:
+        preempt(args.port) if args.attack == "preempt" else hosts(args.port)
 
 
 if __name__ == "__main__":

@@ -382,7 +382,10 @@ class Hosts:
         elif now - host.heard_at > self.config.host_timeout_s:
             self.lose(host, f"no beat for {now - host.heard_at:.1f} s")
             return
-        deaths = store.add(Key.host_deaths(host.index), 0)
+        try:
+            deaths = int(store.peek(Key.host_deaths(host.index)) or 0)
+        except Forged:  # reported (`forged_value`); the watcher's next count replaces it
+            deaths = host.deaths_seen
         while host.deaths_seen < deaths:
             key = Key.host_death(host.index, host.deaths_seen + 1)
             if not store.check([key]):  # never a blocking get: a record that never comes would stop the watch

@@ -92,7 +92,7 @@ class HostWatcher(Actor):
             n = self._reported + 1
             try:
                 self._store.set(Key.host_death(self._host, n), json.dumps({"replica": replica, "pid": pid}))
-                self._store.add(Key.host_deaths(self._host), 1)
+                self._store.set(Key.host_deaths(self._host), str(n))
             except Exception:  # noqa: BLE001 - unreachable controller: the host will be declared lost
                 return
             self._reported = n

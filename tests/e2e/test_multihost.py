@@ -14,13 +14,15 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 import netns
-from conftest import WILDCARDS, WORKLOADS, alive, descendants, front_end_runs, listeners
+from conftest import REPO, WILDCARDS, WORKLOADS, alive, descendants, front_end_runs, listeners
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]
@@ -99,6 +101,15 @@ def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_on
     for ns in net.names:
         found = listeners(ns=ns)
         assert found and not [a for a, _ in found if a in WILDCARDS], (ns, found)
+
+    # A process on the job network without the run's secret (in host 0's namespace) forges three deaths on host 0,
+    # with their records and count, and host 1's loss: none is acted on (the generations below stay as counted).
+    forged = subprocess.run(["ip", "netns", "exec", net.names[0], sys.executable, str(REPO / "tests" / "attacker.py"),
+                             "--host", net.controller_ip, "--port", str(run.events("run_start")[0]["store_port"]),
+                             "hosts"], capture_output=True, text=True, timeout=60)
+    assert forged.returncode == 0, forged.stderr[-2000:]
+    run.wait_for(lambda: {"host/0/death/1", "host/0/deaths"} & {e["key"] for e in run.events("forged_value")},
+                 timeout=30, what="the controller's watch to find the forged deaths")
 
     # 1. A worker on another host dies: its host's watcher reports it; the replacement goes where room freed.
     dead_worker = on_host[net.address(2)]

@@ -103,12 +103,18 @@ def test_a_hosts_forged_death_record_is_reported_and_no_death_is(stores, tmp_pat
     watched = store.like(stranger)
     host = Host(0, "tcp://10.0.0.2:26600", slots=1, heard_at=time.monotonic())
     store.set(Key.host_death(0, 1), json.dumps({"replica": 3, "pid": 1}))  # what its watcher writes
-    store.add(Key.host_deaths(0), 1)
-    stranger.set(Key.host_death(0, 2), json.dumps({"replica": 1, "pid": 2}))
-    stranger.add(Key.host_deaths(0), 1)
+    store.set(Key.host_deaths(0), "1")
     hosts._poll(watched, host, time.monotonic())
     assert reports.get_nowait() == Died(3, "watcher on tcp://10.0.0.2:26600 (pid 1 exited)")
-    assert reports.empty() and host.deaths_seen == 2
+    stranger.set(Key.host_death(0, 2), json.dumps({"replica": 1, "pid": 2}))  # a record, and a count for it
+    stranger.set(Key.host_deaths(0), "2")
+    hosts._poll(watched, host, time.monotonic())
+    store.set(Key.host_deaths(0), "2")  # a count of the watcher's own over a forged record
+    hosts._poll(watched, host, time.monotonic())
+    assert reports.empty() and host.deaths_seen == 2 and host.live
+    stranger.set(Key.host_deaths(0), "9")  # a count with no records behind it never has the host waited for
+    hosts._poll(watched, host, time.monotonic() + 3600)
+    assert host.deaths_seen == 2 and host.unrecorded_since is None
 
 
 LEASE = """
