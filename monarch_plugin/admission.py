@@ -1,6 +1,6 @@
 """Which host agents a multi-host run attaches: only those its hosts file vouches for, before any contact.
 
-Attaching an agent is trusting it: Monarch 0.7.0 has no TLS, its replies are pickled (an attached agent can run code
+Attaching an agent is trusting it: the run talks to it over Monarch's plain `tcp` transport, its replies are pickled (an attached agent can run code
 in the controller), and an attached host receives the training code, the settings (their `env` included) and a seat
 in every all-reduce. So a line of `hosts_file` is used only if
 

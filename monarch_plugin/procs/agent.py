@@ -4,8 +4,8 @@
 
 Start one on each machine (under SLURM: `srun --ntasks-per-node=1 monarch-plugin host --address
 tcp://$(hostname -i):26600 ...`), then point the controller at them: `monarch-run --hosts tcp://10.0.0.2:26600,...`
-or `--hosts-file`. The agent listens on the one address given, never on a wildcard: Monarch 0.7.0's agents take no
-TLS keys, so anyone who reaches that address can run code as this user. Keep it on the job's private network. When
+or `--hosts-file`. The agent listens on the one address given, never on a wildcard: it serves Monarch's plain `tcp`
+transport and takes any controller, so anyone who reaches that address can run code as this user. Keep it on the job's private network. When
 the controller goes away the agent kills the work it started and waits for the next controller. SIGTERM or SIGUSR1
 to the agent (SLURM preempting or draining the node) is passed on to every proc it started: the controller drains
 this host's replicas at the next step boundary and places no more here; the agent goes on serving until it is
