@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
 
 from monarch_plugin import policies
@@ -206,6 +206,7 @@ class ElasticController:
         self._raises: list[tuple[int, Raised]] = []  # (replica, report) of every training code that raised
         self._formed_gens: set[int] = set()  # generations every member's every proc said it formed (`Key.formed`)
         self._read: dict[str, int] = {}  # lines handled of each appended key (`Key.RAISED`, `Key.DRAINS`)
+        self._unhandled: Report | None = None  # taken from the queue, not handled yet (`_next_report`)
         self._told_to_stop: str | None = None  # the signal with notice this process received (its name)
         self.oom_floor = 0
         """The fewest replicas the run may train on since one ran out of memory (`policies.oom_floor`); 0: no floor."""
@@ -409,22 +410,29 @@ class ElasticController:
 
     def _drain(self, timeout: float) -> None:
         try:
-            item = self._q.get(timeout=timeout)
+            self._unhandled = self._q.get(timeout=timeout)
         except queue.Empty:
-            item = None
+            pass
         # What raised, first: a proc that raised may exit soon after its report (a CUDA error's abort), and its death
         # would otherwise be taken for one that says nothing of the training code (out of memory, a repetition).
+        # The report taken above stays `_unhandled` meanwhile: a give-up that what raised leads to waits for it.
         self._read_raised()
         self._read_drains()
-        while item is not None:
+        while (item := self._next_report(0)) is not None:
             self._handle(item)
-            try:
-                item = self._q.get_nowait()
-            except queue.Empty:
-                item = None
         for r in self.replicas.values():
             if r.state == ReplicaState.SPAWNING and r.pids and self._is_ready(r):
                 r.state = ReplicaState.WAITING
+
+    def _next_report(self, timeout: float) -> Report | None:
+        """The next report from the monitors: the one `_drain` took first, then the queue's (None: none came)."""
+        if self._unhandled is not None:
+            report, self._unhandled = self._unhandled, None
+            return report
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def _handle(self, report: Report) -> None:
         match report:
@@ -476,14 +484,15 @@ class ElasticController:
             if raised.replica in self.replicas:
                 self._on_raised(self.replicas[raised.replica], raised)
 
-    def _appended(self, kind, key: str, count: str) -> list:
-        """The `kind` reports appended under `key` since the last read (`count` says how many are in place)."""
+    def _appended(self, kind, key: str, count: str) -> Iterator:
+        """The `kind` reports appended under `key` since the last read (`count` says how many are in place), each
+        counted read as it is handed out: one left when handling another gave up is read by the give-up's wait."""
         read = self._read.get(key, 0)
         if self.store is None or self.store.add(count, 0) <= read:
-            return []
-        reports = [kind(**json.loads(line)) for line in self.store.lines(key)]
-        self._read[key] = len(reports)
-        return reports[read:]
+            return
+        for line in self.store.lines(key)[read:]:
+            self._read[key] = self._read.get(key, 0) + 1
+            yield kind(**json.loads(line))
 
     def _on_raised(self, replica: _Replica, raised: Raised) -> None:
         """A replica's training code raised (a CUDA, NCCL or out-of-memory error, a flaky disk), or the runtime's own
@@ -1003,19 +1012,18 @@ class ElasticController:
             self._announce(holders, reason=f"giving up: {reason}", interrupt=True, action=Action.CHECKPOINT)
             deadline = time.monotonic() + self.config.join_timeout_s
             while time.monotonic() < deadline and any(self.replicas[m].state == ReplicaState.MEMBER for m in holders):
-                try:
-                    report = self._q.get(timeout=0.05)
-                except queue.Empty:
-                    continue
+                for raised in self._appended(Raised, Key.RAISED, Key.RAISED_COUNT):  # raised instead of writing
+                    if raised.replica in holders:
+                        self._raised_holding(self.replicas[raised.replica], raised)
+                report = self._next_report(0.05)
                 if isinstance(report, Returned):
                     replica = self.replicas[report.replica]
-                    replica.state = ReplicaState.STOPPED
                     # The first proc that wrote one (a replica writes one per proc when each holds its own state).
                     checkpoint = checkpoint or next((o.checkpoint for o in report.outcomes if o.checkpoint), None)
                     raised = next((o.raised for o in report.outcomes if o.status == "error"), None)
-                    if raised is not None and replica.raised is None:  # it raised instead of writing
-                        replica.raised = raised
-                        replica.kept = raised.held is not None and self.config.procs_per_replica == 1
+                    if raised is not None:
+                        self._raised_holding(replica, raised)
+                    replica.state = ReplicaState.STOPPED
                 elif isinstance(report, Died):
                     self.replicas[report.replica].state = ReplicaState.DEAD
         checkpoint = checkpoint or self._checkpoint_held()
@@ -1039,6 +1047,14 @@ class ElasticController:
                                 "(docs/runtime.md, \"Stopping a run\")",)
             logger.warning("%s", stopped)
         raise stopped
+
+    def _raised_holding(self, replica: _Replica, raised: Raised) -> None:
+        """A holder asked for the give-up checkpoint raised instead of writing it: it is waited for no longer, and
+        writes it from the state it kept untouched (`_checkpoint_held`) if that was a committed step's."""
+        if replica.raised is None:
+            replica.raised = raised
+            replica.kept = raised.held is not None and self.config.procs_per_replica == 1
+        replica.state = ReplicaState.STOPPED
 
     def _checkpoint_held(self) -> str | None:
         """The give-up checkpoint when no replica in training wrote one: from a replica whose training code raised

@@ -33,8 +33,12 @@ def generation(store: dist.TCPStore) -> int:
     return int(store.get("latest")[:-_TAG])
 
 
+_SAYING = threading.Lock()  # the overwriting threads say what they did at once: a line each, never run together
+
+
 def say(what: str, **fields) -> None:
-    print(json.dumps({"did": what, **fields}), flush=True)
+    with _SAYING:
+        print(json.dumps({"did": what, **fields}), flush=True)
 
 
 def overwrite_addresses(port: int, prefix: str, world: int, seconds: float) -> None:
