@@ -141,7 +141,15 @@ def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_on
     assert deaths[0]["replica"] == dead_worker, deaths
     assert deaths[0]["detected_by"].startswith(("watcher on ", "supervision")), deaths
     lost = run.events("host_lost")
-    assert [e["replicas"] for e in lost] == [[lost_whole], [cut_off]], lost
+    assert [e["replicas"] for e in lost][0] == [lost_whole], lost
+    # Behind the cut, Monarch's supervision may see the replica's proc agent fail before the beats run out: then the
+    # replacement placed on the host's freed seat was still spawning when the host was lost, and never joined.
+    first_seen = next(d for d in deaths if d["replica"] == cut_off)
+    if first_seen["detected_by"].startswith("supervision"):
+        [pending] = lost[1]["replicas"]
+        assert next(d for d in deaths if d["replica"] == pending)["was_member"] is False, deaths
+    else:
+        assert lost[1]["replicas"] == [cut_off], lost
     assert [e["host"] for e in lost] == [f"tcp://{net.ip(i)}:{netns.AGENT_PORT}" for i in (1, 2)]
     quorums = run.events("quorum")
     assert [len(q["members"]) for q in quorums] == [2, 3, 2, 3, 2, 3, 2, 3], quorums
