@@ -30,6 +30,7 @@ from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError, RunStopped
 from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
+from monarch_plugin.procs import slurm
 from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.procs.stores import AGENT_STORE_ENV, serve
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
@@ -167,6 +168,9 @@ class ElasticController:
         `held`: the run's files, already held by its caller (`runlock.hold`, which `run` calls otherwise)."""
         config.validate()
         resolve_backend(config.backend)
+        agents = None
+        if config.slurm:  # the allocation's nodes are the hosts, their agents started by SLURM
+            config, agents = slurm.for_run(config)
         self._resume_asked = config.resume is not None
         self._held = held
         self.config = config
@@ -188,7 +192,7 @@ class ElasticController:
         shared = [os.getcwd(), os.path.dirname(os.path.abspath(config.events_path or "x"))]
         if target.kind == "script":
             shared.append(os.path.abspath(target.entry))
-        self.hosts = Hosts(config, self.events, self._q, shared, target.imports)
+        self.hosts = Hosts(config, self.events, self._q, shared, target.imports, agents)
         self._closing = threading.Event()
         self._respawn_at: list[tuple[float, bool]] = []  # (when, whether it replaces a loss: counts as a restart)
         self._no_room = False
@@ -196,7 +200,7 @@ class ElasticController:
         self._secret = new_secret()
         """What every value in the run's store is signed with (`signing`); its processes get it in their environment."""
         self._last_death = ""
-        self._spawners: list[threading.Thread] = []
+        self._spawners: dict[int, threading.Thread] = {}  # replica -> the thread that starts it, then awaits it
         self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
         self._announced_at = 0.0
         self._wedge_checked = -1  # the last generation probed for members wedged in an older formation
@@ -293,7 +297,7 @@ class ElasticController:
         if not initial and restart:
             self.restarts += 1
         spawner = threading.Thread(target=self._spawn_worker, args=(replica,), daemon=True, name=f"spawn-{rid}")
-        self._spawners.append(spawner)
+        self._spawners[rid] = spawner
         spawner.start()
         return True
 
@@ -1111,9 +1115,13 @@ class ElasticController:
             t.start()
         for t in threads:
             t.join(timeout=15)
-        deadline = time.monotonic() + 10  # a replica still starting cleans itself up (above) before we go
-        for spawner in self._spawners:
-            spawner.join(timeout=max(0.0, deadline - time.monotonic()))
+        # A replica still starting cleans itself up (above) before we go, and the stop above ends the others' wait
+        # for their return; but not on a lost host, which never answers (waiting for those spawners cost every run
+        # that lost a host 10 s at its end).
+        deadline = time.monotonic() + 10
+        for rid, spawner in self._spawners.items():
+            if self.hosts.hosts[self.replicas[rid].host].live:
+                spawner.join(timeout=max(0.0, deadline - time.monotonic()))
         for replica in self.replicas.values():
             self.hosts.kill(replica.rid)  # whatever a stop left behind
         self.hosts.close()
