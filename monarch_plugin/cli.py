@@ -10,6 +10,7 @@ reach the elastic runtime through `monarch_plugin.ElasticLoop`.
 
     monarch-plugin token /shared/run1/token
     monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts --token-file /shared/run1/token]
+    monarch-plugin host --hosts-file RUN/hosts --token-file RUN/token     # in a SLURM job: on the node's NodeAddr
     monarch-plugin summary monarch_events.jsonl
     monarch-plugin timeline monarch_events.jsonl -o run.png [--html run.html]
 
@@ -188,8 +189,9 @@ def plugin(argv: list[str] | None = None) -> int:
         description="A Monarch host agent for multi-host runs, and a finished run's events read back.")
     commands = parser.add_subparsers(dest="command", required=True)
     host = commands.add_parser("host", help="run this machine's Monarch host agent for multi-host runs")
-    host.add_argument("--address", required=True, metavar="tcp://IP:PORT",
-                      help="where the agent listens: this machine's IP on the job's network, and a free port")
+    host.add_argument("--address", metavar="tcp://IP:PORT",
+                      help="where the agent listens: this machine's IP on the job's network, and a free port (in a "
+                           "SLURM job, by default: the node's NodeAddr, port 26600)")
     host.add_argument("--hosts-file", metavar="PATH",
                       help="append the address to this file (on a filesystem the controller reads) once listening, "
                            "so a run started with `--hosts-file PATH` finds this host, also mid-run")

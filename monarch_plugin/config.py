@@ -125,6 +125,13 @@ class ElasticConfig:
     ``monarch-plugin host --token-file PATH`` writes it; any other line is refused (a ``host_refused`` event) and its
     address never contacted. None: every line of ``hosts_file`` is trusted."""
 
+    slurm: bool | None = None
+    """Run on the SLURM allocation this is started in: its nodes are the hosts, and each node's agent is started
+    by SLURM as a job step of its own (`monarch_plugin.procs.slurm`), with ``hosts_file`` and ``token_file`` made for
+    the run in `monarch-slurm-<job id>/` beside the events file. Submit with `--no-kill`: without it SLURM ends the
+    whole job when one node fails. None: on when started by the batch script (or `salloc` shell) of an allocation of
+    two or more nodes, with neither ``hosts`` nor ``hosts_file`` given; never inside an `srun` step."""
+
     replicas_per_host: int | None = None
     """Most replicas one host holds at once. None: as many as its GPUs hold (``procs_per_replica`` GPUs each);
     on CPU hosts, no limit. Replicas are spread over the hosts either way."""
@@ -189,14 +196,16 @@ class ElasticConfig:
             self.fault = os.environ.get("MONARCH_PLUGIN_FAULT") or None
         self._check_types()
         self.hosts = list(self.hosts)
+        if self.slurm is None:
+            self.slurm = not (self.hosts or self.hosts_file) and in_slurm_allocation(os.environ)
         self.validate()
-        if self.store_host is None:
+        if self.store_host is None and not self.slurm:  # under SLURM: found from the allocation's nodes
             self.store_host = route_address(self.hosts[0]) if self.hosts else "127.0.0.1"
 
     @property
     def multi_host(self) -> bool:
-        """Replicas run on host agents (`hosts`, `hosts_file`), not on this machine."""
-        return bool(self.hosts or self.hosts_file)
+        """Replicas run on host agents (`hosts`, `hosts_file`, a SLURM allocation's nodes), not on this machine."""
+        return bool(self.hosts or self.hosts_file or self.slurm)
 
     def _check_types(self) -> None:
         """Every field of the type it is declared with (ints where a float is asked are fine)."""
@@ -344,6 +353,16 @@ def _wildcard(address: str) -> bool:
             return False  # a host name: it resolves to an address of its own
     mapped = getattr(ip, "ipv4_mapped", None)
     return ip.is_unspecified or bool(mapped and mapped.is_unspecified)
+
+
+def in_slurm_allocation(environ) -> bool:
+    """Started by the batch script (or `salloc` shell) of a SLURM allocation of two or more nodes, not inside one of
+    its steps (`srun` sets ``SLURM_STEP_ID``: under it, every task would be a controller of its own)."""
+    try:
+        nodes = int(environ.get("SLURM_JOB_NUM_NODES", "1"))
+    except ValueError:
+        return False
+    return bool(environ.get("SLURM_JOB_ID")) and "SLURM_STEP_ID" not in environ and nodes > 1
 
 
 def route_address(host: str) -> str:

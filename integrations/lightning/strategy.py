@@ -63,6 +63,9 @@ class MonarchStrategy(ParallelStrategy):
         """The run's settings given here (`ElasticConfig` fields); the launcher adds Lightning's own (`devices`)."""
         # Trainer(plugins=[...]) still replaces it
         kwargs.setdefault("checkpoint_io", AtomicCheckpointIO(share=bool(self.settings.get("share_files", False))))
+        # The controller's world is its one process (a replica sets its own in `setup_environment`): Lightning's
+        # own search would find a SLURM batch script's variables and warn that `srun` is not used.
+        kwargs.setdefault("cluster_environment", LightningEnvironment())
         super().__init__(**kwargs)
         self.num_nodes = 1
         """Lightning's `Trainer(num_nodes=...)`: the hosts the run starts on, `devices` replica procs on each."""

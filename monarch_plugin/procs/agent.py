@@ -2,14 +2,15 @@
 
     monarch-plugin host --address tcp://10.0.0.2:26600 [--hosts-file /shared/run1/hosts --token-file /shared/run1/token]
 
-Start one on each machine (under SLURM: `srun --ntasks-per-node=1 monarch-plugin host --address
-tcp://$(hostname -i):26600 ...`), then point the controller at them: `monarch-run --hosts tcp://10.0.0.2:26600,...`
-or `--hosts-file`. The agent listens on the one address given, never on a wildcard: it serves Monarch's plain `tcp`
-transport and takes any controller, so anyone who reaches that address can run code as this user. Keep it on the job's private network. When
-the controller goes away the agent kills the work it started and waits for the next controller. SIGTERM or SIGUSR1
-to the agent (SLURM preempting or draining the node) is passed on to every proc it started: the controller drains
-this host's replicas at the next step boundary and places no more here; the agent goes on serving until it is
-killed, so that the controller can still stop them.
+Start one on each machine, then point the controller at them: `monarch-run --hosts tcp://10.0.0.2:26600,...` or
+`--hosts-file`. In a SLURM job `--address` defaults to the node's `NodeAddr`, port 26600; `monarch-run` started by a
+batch script starts one on each node of the allocation itself (`procs.slurm`). The agent listens on the one address
+given, never on a wildcard: it serves Monarch's plain `tcp` transport and takes any controller, so anyone who
+reaches that address can run code as this user. Keep it on the job's private network. When the controller goes
+away the agent kills the work it started and waits for the next controller. SIGTERM or SIGUSR1 to the agent (SLURM
+preempting or draining the node) is passed on to every proc it started: the controller drains this host's replicas
+at the next step boundary and places no more here; the agent goes on serving until it is killed, so that the
+controller can still stop them.
 
 With `--token-file` (the job's token, `monarch-plugin token`), the line the agent appends to the hosts file carries
 an HMAC of its address under the token (`admission.host_line`): a run started with the same `--token-file` attaches
@@ -61,12 +62,19 @@ def _pass_on(name: str) -> bool:
     return False  # a second signal is passed on too
 
 
-def serve(address: str, hosts_file: str | None = None, token_file: str | None = None) -> int:
+def serve(address: str | None, hosts_file: str | None = None, token_file: str | None = None) -> int:
     """Run the agent on `address` until it is killed; 2 after saying why on stderr if it cannot listen there, or
-    cannot read its token."""
+    cannot read its token. None: in a SLURM job, the node's own (`procs.slurm`)."""
     from monarch_plugin.admission import host_line, read_token
 
     try:
+        if address is None:
+            if not os.environ.get("SLURMD_NODENAME"):
+                raise ConfigError("give --address tcp://IP:PORT: this machine's IP on the job's network (only in a "
+                                  "SLURM job is it found without: the node's NodeAddr)")
+            from monarch_plugin.procs.slurm import Allocation
+
+            address = Allocation.from_env().agent(os.environ["SLURMD_NODENAME"])
         ip, _ = parse_host(address)
         _check_local(ip)
         if token_file and not hosts_file:

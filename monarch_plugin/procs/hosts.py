@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from monarch_plugin.procs import forkserver, notice
+from monarch_plugin.procs import forkserver, notice, slurm
 from monarch_plugin.admission import admit, check_hosts_file, hosts_file_unsafe, read_token
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
@@ -83,8 +83,10 @@ class Hosts:
     """The run's hosts: placing replicas on them, spawning their proc meshes, and watching for deaths."""
 
     def __init__(self, config: ElasticConfig, events: EventLog, report: queue.Queue, paths: list[str],
-                 imports: list[str]):
+                 imports: list[str], agents: slurm.Agents | None = None):
+        """`agents`: under SLURM, the allocation's agents, which `start` starts and `close` ends (`procs.slurm`)."""
         self.config = config
+        self._agents = agents
         self.paths = paths
         """What every host must see at the same path (a shared filesystem): a host that does not is refused."""
         self.events = events
@@ -127,6 +129,9 @@ class Hosts:
         from monarch.actor import enable_transport
 
         enable_transport(f"tcp://{self.config.store_host}:0")  # before any other Monarch call
+        if self._agents is not None:
+            self._agents.start()
+            self._agents.wait_listed(self.config.join_timeout_s)
         addresses = list(dict.fromkeys(self.config.hosts + self._listed()))
         self._tried.update(addresses)
         if not addresses and self._refused:
@@ -170,6 +175,8 @@ class Hosts:
         for t in stoppers:
             t.join(timeout=_CALL_S)
         self._store = None
+        if self._agents is not None:
+            self._agents.stop()
 
     # -- placement ------------------------------------------------------------------------------------------
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -550,6 +552,21 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     with pytest.raises(MisconfigurationException, match=r"give the training DataLoader a batch_size"):
         trainer.fit(model, sampled)
     assert not events.exists()  # nothing was spawned
+
+
+@pytest.mark.skipif(shutil.which("srun") is None, reason="Lightning warns only where srun is installed")
+def test_in_a_slurm_batch_script_lightnings_own_slurm_detection_stays_out_of_the_controller(monkeypatch):
+    """The controller's world is its one process: Lightning's SLURMEnvironment (which would warn that `srun` is not
+    used, or take SLURM's task variables as the controller's rank) is not chosen for it."""
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[0-1]",
+                        "SLURM_JOB_NAME": "train.sbatch"}.items():
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(), logger=False)
+    assert not [w for w in seen if "srun" in str(w.message)], [str(w.message) for w in seen]
+    assert type(trainer.strategy.cluster_environment).__name__ == "LightningEnvironment"
+    assert trainer.strategy.launcher.config().slurm  # the run takes the allocation: its agents are SLURM's steps
 
 
 def test_events_default_to_the_trainers_root_dir_one_file_per_stage(tmp_path, monkeypatch):

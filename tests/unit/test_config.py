@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from monarch_plugin import ConfigError, ElasticConfig
-from monarch_plugin.config import cli_flag, spell_fields
+from monarch_plugin.config import cli_flag, in_slurm_allocation, spell_fields
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,3 +69,25 @@ def test_config_round_trips_through_the_worker_environment(monkeypatch):
     cfg = ElasticConfig(replicas=3, min_replicas=2, fault="sigkill:replica=1:step=4", env={"A": "1"})
     monkeypatch.setenv("MONARCH_PLUGIN_CONFIG", cfg.to_env()["MONARCH_PLUGIN_CONFIG"])
     assert ElasticConfig.from_env() == cfg
+
+
+_ALLOCATION = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "n[0-3]"}
+
+
+@pytest.mark.parametrize("environ, inside", [
+    ({}, False),
+    (_ALLOCATION, True),  # a batch script (or salloc shell) of four nodes
+    ({**_ALLOCATION, "SLURM_JOB_NUM_NODES": "1"}, False),  # one node: this machine is the run's
+    ({**_ALLOCATION, "SLURM_STEP_ID": "0"}, False),  # under srun: every task would be a controller
+])
+def test_a_run_takes_the_slurm_allocation_only_from_its_batch_script(environ, inside):
+    assert in_slurm_allocation(environ) is inside
+
+
+def test_inside_an_allocation_the_run_is_multi_host_unless_told_its_hosts(monkeypatch):
+    for name, value in _ALLOCATION.items():
+        monkeypatch.setenv(name, value)
+    found = ElasticConfig()
+    assert found.slurm is True and found.multi_host and found.store_host is None  # found from the nodes, later
+    assert ElasticConfig(hosts=["tcp://127.0.0.1:26600"]).slurm is False
+    assert ElasticConfig(slurm=False).slurm is False and ElasticConfig(slurm=False).store_host == "127.0.0.1"
