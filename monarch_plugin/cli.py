@@ -54,8 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = cli_flag(f.name)
         # The docstrings name other fields in ``double backticks``: here they are flags too.
         doc = spell_fields(field_docs()[f.name].replace("``", "`"), cli_flag)
-        if f.type == "bool":
-            p.add_argument(flag, dest=f.name, action="store_true", help=doc)
+        if f.type == "bool":  # --flag; a setting that is on unless told otherwise: --flag / --no-flag
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction if f.default else "store_true",
+                           default=f.default, help=doc)
             continue
         if f.type == "bool | None":  # --flag / --no-flag, and neither leaves the field's automatic choice
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=doc)

@@ -132,6 +132,12 @@ class ElasticConfig:
     whole job when one node fails. None: on when started by the batch script (or `salloc` shell) of an allocation of
     two or more nodes, with neither ``hosts`` nor ``hosts_file`` given; never inside an `srun` step."""
 
+    requeue: bool = True
+    """In a SLURM job, SIGUSR1 to the controller (`#SBATCH --signal=B:USR1@120`: SLURM's notice before the time
+    limit) stops the run with a checkpoint, then requeues the job (`scontrol requeue`), as Lightning's
+    `SLURMEnvironment(auto_requeue=True)` does; with ``resume`` at ``"auto"`` its next start goes on from that
+    checkpoint. SIGTERM (`scancel`, a preemption) never requeues. False: SIGUSR1 only stops the run."""
+
     replicas_per_host: int | None = None
     """Most replicas one host holds at once. None: as many as its GPUs hold (``procs_per_replica`` GPUs each);
     on CPU hosts, no limit. Replicas are spread over the hosts either way."""

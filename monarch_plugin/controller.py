@@ -224,6 +224,7 @@ class ElasticController:
         # A signal with notice to this process (a preemption, `scancel`, `kill`) stops the run with a checkpoint.
         # Python sets handlers only from the main thread, where the controller runs under every front end.
         locks = hold(self.config) if self._held is None else []  # before anything is spawned
+        stopped: RunStopped | None = None
         previous = ({sig: signal.signal(sig, self._on_signal) for sig in NOTICE_SIGNALS}
                     if threading.current_thread() is threading.main_thread() else {})
         try:
@@ -263,6 +264,9 @@ class ElasticController:
                 events_path=self.config.events_path,
                 seconds=time.time() - t0,
             )
+        except RunStopped as e:
+            stopped = e  # under SLURM the job may go back to the queue, once all below is done (`slurm.requeue`)
+            raise
         finally:
             self._shutdown()
             faults.active = None
@@ -270,6 +274,8 @@ class ElasticController:
                 signal.signal(sig, handler)
             for lock in locks:
                 lock.release()
+            if stopped is not None:
+                slurm.requeue(stopped, self.config, self.events)
 
     # -- spawning ------------------------------------------------------------------------------------------
 

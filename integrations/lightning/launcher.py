@@ -39,7 +39,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from monarch_plugin.checksum import state_checksum
-from monarch_plugin.config import LOOP_ONLY, ElasticConfig, field_default, field_docs, front_end_fields, given
+from monarch_plugin.config import (LOOP_ONLY, ElasticConfig, field_default, field_docs, front_end_fields, given,
+                                   in_slurm_allocation)
 from monarch_plugin.controller import ElasticController
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.integrations.lightning._lightning_hooks import Launcher, check_version
@@ -153,11 +154,15 @@ class _MonarchLauncher(Launcher):
                 f"{type(strategy.accelerator).__name__}: pass Trainer(accelerator='cpu' or 'gpu', devices=N)"
             )
         hosts, nodes = strategy.settings.get("hosts", []), strategy.num_nodes
-        if nodes != 1 and not (hosts or strategy.settings.get("hosts_file")):
+        on_allocation = strategy.settings.get("slurm")
+        if on_allocation is None:  # as `ElasticConfig` finds it: the batch script of a multi-node allocation
+            on_allocation = not (hosts or strategy.settings.get("hosts_file")) and in_slurm_allocation(os.environ)
+        if nodes != 1 and not (hosts or strategy.settings.get("hosts_file") or on_allocation):
             raise MisconfigurationException(
                 f"Trainer(num_nodes={nodes}) trains on {nodes} machines, each running a Monarch host "
                 "agent (`monarch-plugin host --address tcp://IP:PORT`): pass their addresses as "
-                "MonarchStrategy(hosts=[...]) or hosts_file=..., or drop num_nodes to train on this machine"
+                "MonarchStrategy(hosts=[...]) or hosts_file=..., run the script in a SLURM batch script of "
+                f"{nodes} nodes, or drop num_nodes to train on this machine"
             )
         if hosts and not strategy.settings.get("hosts_file") and len(hosts) != nodes:
             raise MisconfigurationException(

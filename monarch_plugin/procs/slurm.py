@@ -32,9 +32,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from monarch_plugin.config import ElasticConfig, route_address
-from monarch_plugin.errors import ConfigError
+from monarch_plugin.errors import ConfigError, RunStopped
+from monarch_plugin.events import EventLog
 
-__all__ = ["AGENT_PORT", "Allocation", "Agents", "for_run"]
+__all__ = ["AGENT_PORT", "Allocation", "Agents", "for_run", "requeue"]
 
 log = logging.getLogger(__name__)
 
@@ -173,3 +174,23 @@ class Agents:
                 log.warning("srun for node %s did not end in 30 s after its step was aborted: killed", node)
                 p.kill()
                 p.wait()
+
+
+def requeue(stopped: RunStopped, config: ElasticConfig, events: EventLog) -> None:
+    """After a run SIGUSR1 stopped in a SLURM job (SLURM's notice before the time limit: `--signal=B:USR1@N`) has
+    written its checkpoint and stopped everything: the job goes back to the queue (`config.requeue`), and its next
+    start resumes from the checkpoint (``resume="auto"``). SLURM ends this process as it requeues the job."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not (config.requeue and job and stopped.signal == "SIGUSR1"):
+        return
+    events.emit("requeue", job=job, checkpoint=stopped.checkpoint)
+    log.warning("requeueing SLURM job %s: its next start resumes from %s with `resume` \"auto\"", job,
+                stopped.checkpoint)
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("scontrol requeue %s failed (%s): resubmit the job to go on from %s", job, e, stopped.checkpoint)
+        return
+    if done.returncode != 0:
+        log.error("scontrol requeue %s failed: %s: resubmit the job (`sbatch --requeue` lets it be requeued) to "
+                  "go on from %s", job, done.stderr.strip(), stopped.checkpoint)

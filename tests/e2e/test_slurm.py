@@ -1,10 +1,10 @@
-"""Under a real SLURM: `monarch-run` in a batch script, on a cluster of slurmd nodes in network namespaces.
+"""Under a real SLURM: `monarch-run` (and a Lightning script) in a batch script, on a cluster of slurmd nodes in
+network namespaces.
 
 The cluster is Debian's slurmctld and one slurmd per node, each node a network namespace with its own hostname
-(`tests/slurm.py`); the batch script runs on the allocation's first node, as on a real cluster, and `monarch-run`
-started in it finds the allocation itself: SLURM starts a host agent on every node as a step of its own. A node
-fails the way a machine does: every process in its namespace is SIGKILLed, its slurmd among them, and SLURM marks
-it DOWN.
+(`tests/slurm.py`); the batch script runs on the allocation's first node, as on a real cluster, and the run started
+in it finds the allocation itself: SLURM starts a host agent on every node as a step of its own. A node fails the way
+a machine does: every process in its namespace is SIGKILLed, its slurmd among them, and SLURM marks it DOWN.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import slurm
 from conftest import WORKLOADS, alive
@@ -35,90 +36,203 @@ def cluster(tmp_path):
     made.close()
 
 
+class Job:
+    """A batch job of the test's, in its own directory (`out/` for the run's outputs), and the run it starts."""
+
+    def __init__(self, cluster: slurm.SlurmCluster, where: Path, script: str, *sbatch: str):
+        self.cluster, self.dir, self.out = cluster, where, where / "out"
+        self.out.mkdir(parents=True)
+        (where / "job.sbatch").write_text(script)
+        self.log = where / "slurm.out"
+        self.id = cluster.sbatch(where / "job.sbatch", f"--output={self.log}", f"--chdir={where}", *sbatch)
+        self.run_dir = where / f"monarch-slurm-{self.id}"
+        """The run's token, hosts file and agents' outputs (`procs.slurm`)."""
+
+    def events(self, kind: str, name: str = "monarch_events.jsonl") -> list[dict]:
+        path = self.dir / name
+        if not path.exists():
+            return []
+        return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+    def output(self) -> str:
+        return self.log.read_text()[-3000:] if self.log.exists() else ""
+
+    def wait_for(self, predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {self.cluster.job(self.id)} " \
+                                                f"{self.output()}"
+            time.sleep(0.3)
+
+    def progress(self, replica: int) -> int:
+        try:
+            return int((self.out / f"progress-{replica}").read_text() or -1)
+        except (FileNotFoundError, ValueError):
+            return -1
+
+    def completed(self, timeout: float) -> None:
+        fields = self.cluster.wait_job(self.id, timeout)
+        assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", (fields, self.output())
+
+    def nothing_outlives(self, nodes: list[int]) -> None:
+        """No worker or watcher of the run is left, and nothing but slurmd on the nodes'."""
+        pids = [pid for s in self.events("spawn") for pid in s["pids"]] + [
+            e["watcher_pid"] for e in self.events("host_up")]
+        deadline = time.monotonic() + 30
+        net, slurmd = self.cluster.net, self.cluster.slurmd
+        while any(alive(p) for p in pids) or any(net.pids(i) != [slurmd[i].pid] for i in nodes):
+            assert time.monotonic() < deadline, ([p for p in pids if alive(p)], {i: net.pids(i) for i in nodes})
+            time.sleep(0.2)
+
+
+def _lose_node(cluster: slurm.SlurmCluster, job: Job, i: int) -> None:
+    """Node i's machine dies mid-run: the run loses the host; SLURM sees its slurmd silent, marks it DOWN and takes it
+    out of the job, which under `--no-kill` goes on."""
+    cluster.kill_node(i)
+    job.wait_for(lambda: len(job.events("host_lost")) == 1, 60, f"n{i} declared lost")
+    job.wait_for(lambda: cluster.states().get(f"n{i}", "").startswith("down"), 60, f"SLURM to mark n{i} DOWN")
+    fields = cluster.job(job.id)
+    assert fields["JobState"] == "RUNNING", fields
+    left = cluster.run("scontrol", "show", "hostnames", fields["NodeList"]).stdout.split()
+    assert f"n{i}" not in left and left, fields
+
+
 def test_a_batch_script_runs_on_the_allocation_survives_a_node_failure_and_regrows_from_a_one_node_job(cluster,
                                                                                                      tmp_path):
     """`#SBATCH --nodes=3 --no-kill` and one `monarch-run` line: an agent on each node, one replica each; node n2 dies
     (its slurmd with it: SLURM marks it DOWN and, under `--no-kill`, keeps the job without it); the run shrinks to
     two, and regrows onto n3 when a one-node job starts an agent there with the run's hosts file and token; it
     trains to the end with identical replicas and every sample once, and the job completes."""
-    run = tmp_path / "run"
-    out = run / "out"
-    out.mkdir(parents=True)
-    events = run / "monarch_events.jsonl"
-    script = run / "train.sbatch"
-    script.write_text(f"""#!/bin/bash
+    job = Job(cluster, tmp_path / "run", f"""#!/bin/bash
 #SBATCH --nodes=3 --no-kill
-exec {BIN / 'monarch-run'} --replicas 3 --min-replicas 2 --replicas-per-host 1 --host-timeout 4 \\
-    --join-timeout 120 --events {events} {WORKLOADS / 'held_loop.py'} --epochs {EPOCHS} --samples {SAMPLES} \\
-    --batch {BATCH} --replicas 3 --hold-for-regrow-from 10 --out {out}
+exec {BIN / 'monarch-run'} --replicas 3 --min-replicas 2 --replicas-per-host 1 --host-timeout 4 --join-timeout 120 \\
+    {WORKLOADS / 'held_loop.py'} --epochs {EPOCHS} --samples {SAMPLES} --batch {BATCH} --replicas 3 \\
+    --hold-for-regrow-from 10 --out out
 """)
-    job = cluster.sbatch(script, f"--output={run}/slurm-%j.out", f"--chdir={run}")
-    log = run / f"slurm-{job}.out"
-
-    def read(kind: str) -> list[dict]:
-        if not events.exists():
-            return []
-        return [e for e in map(json.loads, events.read_text().splitlines()) if e["event"] == kind]
-
-    def wait_for(predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            state = cluster.job(job).get("JobState")
-            assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"job {state} before {what}: {log.read_text()}"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}: {log.read_text()[-3000:]}"
-            time.sleep(0.3)
-
-    def progress(replica: int) -> int:
-        try:
-            return int((out / f"progress-{replica}").read_text() or -1)
-        except (FileNotFoundError, ValueError):
-            return -1
-
-    wait_for(lambda: len(read("spawn")) == 3 and all(progress(r) >= 3 for r in range(3)), 150,
-             "three replicas training")
+    job.wait_for(lambda: len(job.events("spawn")) == 3 and all(job.progress(r) >= 3 for r in range(3)), 150,
+                 "three replicas training")
     node = {f"tcp://{cluster.net.ip(i)}:26600": name for i, name in enumerate(cluster.nodes)}
-    on = {node[s["host"]]: s["replica"] for s in read("spawn")}
+    on = {node[s["host"]]: s["replica"] for s in job.events("spawn")}
     assert sorted(on) == ["n0", "n1", "n2"], on  # one replica per node of the allocation
-    run_dir = run / f"monarch-slurm-{job}"
-    assert oct(run_dir.stat().st_mode & 0o777) == "0o700" and oct((run_dir / "token").stat().st_mode & 0o777) == "0o600"
+    assert oct(job.run_dir.stat().st_mode & 0o777) == "0o700"
+    assert oct((job.run_dir / "token").stat().st_mode & 0o777) == "0o600"
 
-    # n2's machine dies: SLURM sees its slurmd silent, marks it DOWN and takes it out of the job, which under
-    # --no-kill goes on.
-    cluster.kill_node(2)
-    wait_for(lambda: len(read("host_lost")) == 1, 60, "n2 declared lost")
-    wait_for(lambda: cluster.states().get("n2", "").startswith("down"), 60, "SLURM to mark n2 DOWN")
-    fields = cluster.job(job)
-    assert fields["JobState"] == "RUNNING", fields
-    assert cluster.run("scontrol", "show", "hostnames", fields["NodeList"]).stdout.split() == ["n0", "n1"], fields
-
+    _lose_node(cluster, job, 2)
     # A replacement node: a one-node job starts an agent on it with the run's hosts file and token.
-    joiner = run / "join.sbatch"
-    joiner.write_text(f"""#!/bin/bash
-exec {BIN / 'monarch-plugin'} host --hosts-file {run_dir / 'hosts'} --token-file {run_dir / 'token'}
-""")
-    agent_job = cluster.sbatch(joiner, "--nodes=1", "--nodelist=n3", f"--output={run}/join-%j.out")
+    joiner = Job(cluster, tmp_path / "join", f"""#!/bin/bash
+exec {BIN / 'monarch-plugin'} host --hosts-file {job.run_dir / 'hosts'} --token-file {job.run_dir / 'token'}
+""", "--nodes=1", "--nodelist=n3")
     try:
-        wait_for(lambda: len(read("quorum")) >= 3 and len(read("quorum")[-1]["members"]) == 3, 120,
-                 "the regrow onto n3")
-        assert cluster.wait_job(job, 180)["JobState"] == "COMPLETED", log.read_text()[-3000:]
+        job.wait_for(lambda: len(job.events("quorum")) >= 3 and len(job.events("quorum")[-1]["members"]) == 3, 120,
+                     "the regrow onto n3")
+        job.completed(180)
     finally:
-        cluster.run("scancel", str(agent_job))
-    assert cluster.job(job)["ExitCode"] == "0:0", log.read_text()[-3000:]
+        cluster.run("scancel", str(joiner.id))
 
-    lost = read("host_lost")
-    assert [node[e["host"]] for e in lost] == ["n2"], lost
-    assert [len(q["members"]) for q in read("quorum")] == [3, 2, 3], read("quorum")
-    spawned = read("spawn")
-    assert spawned[-1]["host"] == f"tcp://{cluster.net.ip(3)}:26600", spawned
-    results = {json.loads(p.read_text())["replica"]: json.loads(p.read_text()) for p in out.glob("result-*.json")}
-    assert set(results) == set(read("quorum")[-1]["members"]), log.read_text()[-3000:]
+    assert [node[e["host"]] for e in job.events("host_lost")] == ["n2"]
+    assert [len(q["members"]) for q in job.events("quorum")] == [3, 2, 3], job.events("quorum")
+    assert job.events("spawn")[-1]["host"] == f"tcp://{cluster.net.ip(3)}:26600", job.events("spawn")
+    results = {r["replica"]: r for r in (json.loads(p.read_text()) for p in job.out.glob("result-*.json"))}
+    assert set(results) == set(job.events("quorum")[-1]["members"]), job.output()
     assert len({r["checksum"] for r in results.values()}) == 1 and {r["step"] for r in results.values()} == {STEPS}
     for epoch, counts in enumerate(results[on["n0"]]["seen"]):
         assert set(counts) == {1.0}, f"epoch {epoch}"
-    # Nothing outlives the job: its workers, the agents' steps, the joiner's agent.
-    pids = [pid for s in spawned for pid in s["pids"]] + [e["watcher_pid"] for e in read("host_up")]
-    deadline = time.monotonic() + 30
-    while any(alive(p) for p in pids) or any(cluster.net.pids(i) != [cluster.slurmd[i].pid] for i in (0, 1, 3)):
-        assert time.monotonic() < deadline, ([p for p in pids if alive(p)],
-                                             {i: cluster.net.pids(i) for i in (0, 1, 3)})
-        time.sleep(0.2)
+    job.nothing_outlives([0, 1, 3])
+
+
+def test_lightning_fit_in_a_batch_script_of_two_nodes_survives_losing_one(cluster, tmp_path):
+    """`Trainer(devices=1, num_nodes=2, strategy=MonarchStrategy())` run as a SLURM batch script of two nodes: one
+    replica on each; n1 dies, the run trains on, its replacement starts on n0 (CPU hosts hold as many replicas as
+    the run has), and fit ends with the exact global step, identical replicas and every sample once per epoch."""
+    from test_lightning import WORKLOAD, _every_sample_once_per_epoch
+
+    epochs, samples, batch = 6, 96, 8  # a global batch of 16: 6 steps an epoch
+    job = Job(cluster, tmp_path / "run", f"""#!/bin/bash
+#SBATCH --nodes=2 --no-kill
+exec {sys.executable} {WORKLOAD} --devices 1 --num-nodes 2 --epochs {epochs} --samples {samples} --batch {batch} \\
+    --step-sleep 0.1 --hold-for-regrow-from 12 --events monarch_events.jsonl --out out
+""")
+    job.wait_for(lambda: job.progress(0) >= 3 and job.progress(1) >= 3, 150, "both replicas training")
+    on = {s["host"]: s["replica"] for s in job.events("spawn")}
+    victim = on[f"tcp://{cluster.net.ip(1)}:26600"]
+    _lose_node(cluster, job, 1)
+    job.completed(180)
+
+    result = json.loads((job.out / "result.json").read_text())
+    assert result["state"] == "finished" and result["global_step"] == epochs * samples // (2 * batch)
+    assert len(result["replica_checksums"]) == 2 and set(result["replica_checksums"].values()) == {result["checksum"]}
+    assert str(victim) not in result["replica_checksums"]
+    _every_sample_once_per_epoch(result)
+    assert [len(q["members"]) for q in job.events("quorum")] == [2, 1, 2], job.events("quorum")
+    assert "srun" not in job.output()  # Lightning's own SLURM detection stayed out of the controller
+    job.nothing_outlives([0])
+
+
+def test_sigusr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_goes_on_with_no_step_lost(cluster,
+                                                                                                       tmp_path):
+    """`#SBATCH --signal=B:USR1@N --requeue`, and `exec monarch-run --resume auto`: SLURM's notice before the time
+    limit (sent here as SLURM sends it, to the batch shell: `scancel --signal=USR1 --batch`) stops the run with a
+    checkpoint of its last committed step and requeues the job; its next start (SLURM_RESTART_COUNT=1) resumes from
+    that checkpoint and trains to the end: every step once across the two starts, identical replicas."""
+    job = Job(cluster, tmp_path / "run", f"""#!/bin/bash
+#SBATCH --nodes=2 --no-kill --requeue --signal=B:USR1@60 --open-mode=append
+exec {BIN / 'monarch-run'} --replicas 2 --checkpoint-dir ckpt --resume auto \\
+    --events events-${{SLURM_RESTART_COUNT:-0}}.jsonl {WORKLOADS / 'logged_loop.py'} --samples 240 --batch 24 \\
+    --epochs 3 --step-sleep 0.1 --out out
+""")
+
+    def steps() -> list[dict]:
+        path = job.out / "steps.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    job.wait_for(lambda: len(steps()) >= 5, 120, "step 5")
+    assert cluster.run("scancel", "--signal=USR1", "--batch", str(job.id)).returncode == 0
+    job.wait_for(lambda: cluster.job(job.id).get("Restarts") == "1", 60, "the job requeued")
+    # SLURM holds a requeued job for two minutes before it may start again; an admin's `StartTime=now` lifts it.
+    cluster.run("scontrol", "update", f"JobId={job.id}", "StartTime=now")
+    job.completed(180)
+
+    [give_up] = job.events("give_up", "events-0.jsonl")
+    [requeued] = job.events("requeue", "events-0.jsonl")
+    assert give_up["checkpoint"] and requeued["checkpoint"] == give_up["checkpoint"] and "SIGUSR1" in give_up["reason"]
+    [resumed] = job.events("resume", "events-1.jsonl")
+    assert resumed["path"] == give_up["checkpoint"], resumed
+    # Every step once across the two starts: the stop dropped only the step in flight, which the requeued job trained.
+    assert [r["step"] for r in steps()] == list(range(30)), [r["step"] for r in steps()]
+    results = {r["replica"]: r for r in (json.loads(p.read_text()) for p in job.out.glob("result-*.json"))}
+    assert len(results) == 2 and len({r["checksum"] for r in results.values()}) == 1
+    assert "requeueing SLURM job" in job.output()
+
+
+def test_hf_trainer_under_monarch_run_in_a_batch_script_survives_losing_a_node(cluster, tmp_path):
+    """HF `Trainer.train()` under `monarch-run`, the batch script of two nodes: n1 dies mid-epoch, the replacement
+    starts on n0 and is admitted while the survivor holds step 8; both end at the exact step with the same weights,
+    every sample of every epoch in exactly one committed step."""
+    pytest.importorskip("transformers")
+    from test_hf import WORKLOAD as HF
+
+    epochs, samples = 3, 96  # 2 replicas x 4 samples a global micro-batch, 2 micro-batches a step: 6 steps an epoch
+    steps = epochs * samples // (4 * 2 * 2)
+    job = Job(cluster, tmp_path / "run", f"""#!/bin/bash
+#SBATCH --nodes=2 --no-kill
+exec {BIN / 'monarch-run'} --replicas 2 --join-timeout 120 {HF} --out out --replicas 2 --count --max-grad-norm 0 \\
+    --batch 4 --accumulate 2 --samples {samples} --epochs {epochs} --step-sleep 0.1 --pause-at 8
+""")
+    job.wait_for(lambda: job.progress(0) >= 2 and job.progress(1) >= 2, 150, "both replicas training")
+    on = {s["host"]: s["replica"] for s in job.events("spawn")}
+    victim, survivor = on[f"tcp://{cluster.net.ip(1)}:26600"], on[f"tcp://{cluster.net.ip(0)}:26600"]
+    _lose_node(cluster, job, 1)
+    job.wait_for(lambda: len(job.events("quorum")) >= 3 and len(job.events("quorum")[-1]["members"]) == 2, 150,
+                 "the replacement admitted")
+    (job.out / "release").touch()
+    job.completed(150)
+
+    newcomer = next(m for m in job.events("quorum")[-1]["members"] if m != survivor)
+    results = {p.stem.removeprefix("result-"): json.loads(p.read_text()) for p in job.out.glob("result-*.json")}
+    assert set(results) == {str(survivor), str(newcomer)} and str(victim) not in results, job.output()
+    assert len({r["checksum"] for r in results.values()}) == 1
+    assert {(r["global_step"], r["train_output_step"]) for r in results.values()} == {(steps, steps)}
+    for r in results.values():  # every sample of every epoch in exactly one committed step
+        counts = torch.tensor(r["counts"])
+        torch.testing.assert_close(counts, torch.ones_like(counts), atol=1e-4, rtol=0)
+    job.nothing_outlives([0])

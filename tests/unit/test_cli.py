@@ -34,6 +34,9 @@ def test_monarch_run_takes_every_setting_with_its_docstring_and_default():
     config = config_from_args(ns)
     assert (config.join_timeout_s, config.backend, config.scale_lr_with_replicas) == (12.0, "gloo", True)
     assert (ns.target, ns.args) == ("train.py", ["--lr", "3"])
+    # A setting on unless told otherwise is turned off by --no-<flag>; one with an automatic choice by either.
+    assert config_from_args(parser.parse_args(["--no-requeue", "x.py"])).requeue is False
+    assert config_from_args(parser.parse_args(["--no-slurm", "x.py"])).slurm is False
 
 
 @pytest.mark.parametrize(
