@@ -5,8 +5,8 @@ Each host is a Linux network namespace with its own network stack and a real `mo
 gloo groups cross the bridge between them. A host is lost the way a machine dies: the test SIGKILLs every
 process in its namespace, or its link is cut. Also here: no process of a multi-host job listens on a wildcard
 address (a single-host job's listeners are checked in test_elastic_run.py), and a hosts-file line without the HMAC
-of its address under the job's token is never contacted. Lightning, HF and torchtitan across machines run under a real SLURM
-(test_slurm.py).
+of its address under the job's token is never contacted. Lightning, HF and torchtitan across machines run under a
+real SLURM (test_slurm.py).
 """
 
 from __future__ import annotations

@@ -97,6 +97,15 @@ def _lose_node(cluster: slurm.SlurmCluster, job: Job, i: int) -> None:
     assert f"n{i}" not in left and left, fields
 
 
+def _agent_job(cluster: slurm.SlurmCluster, where: Path, run: Job, node: str, setup: str = "") -> Job:
+    """A one-node job on `node` that starts an agent with `run`'s hosts file and token, after `setup` (the run's
+    environment: the agent's replicas run in this job's)."""
+    return Job(cluster, where, f"""#!/bin/bash
+{setup}
+exec {BIN / 'monarch-plugin'} host --hosts-file {run.run_dir / 'hosts'} --token-file {run.run_dir / 'token'}
+""", "--nodes=1", f"--nodelist={node}")
+
+
 def test_a_batch_script_runs_on_the_allocation_survives_a_node_failure_and_regrows_from_a_one_node_job(cluster,
                                                                                                      tmp_path):
     """`#SBATCH --nodes=3 --no-kill` and one `monarch-run` line: an agent on each node, one replica each; node n2 dies
@@ -119,9 +128,7 @@ exec {BIN / 'monarch-run'} --replicas 3 --min-replicas 2 --replicas-per-host 1 -
 
     _lose_node(cluster, job, 2)
     # A replacement node: a one-node job starts an agent on it with the run's hosts file and token.
-    joiner = Job(cluster, tmp_path / "join", f"""#!/bin/bash
-exec {BIN / 'monarch-plugin'} host --hosts-file {job.run_dir / 'hosts'} --token-file {job.run_dir / 'token'}
-""", "--nodes=1", "--nodelist=n3")
+    joiner = _agent_job(cluster, tmp_path / "join", job, "n3")
     try:
         job.wait_for(lambda: len(job.events("quorum")) >= 3 and len(job.events("quorum")[-1]["members"]) == 3, 120,
                      "the regrow onto n3")
@@ -280,10 +287,8 @@ exec {sys.executable} -m torchtitan.train --module torchtitan_probe --config lla
     _lose_node(cluster, job, 1)
     # The replacement node's job sets up the run's environment, as the batch script did: its replicas import the
     # probe from there.
-    joiner = Job(cluster, tmp_path / "join", f"""#!/bin/bash
-export PYTHONPATH={WORKLOADS}:$PYTHONPATH HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
-exec {BIN / 'monarch-plugin'} host --hosts-file {job.run_dir / 'hosts'} --token-file {job.run_dir / 'token'}
-""", "--nodes=1", "--nodelist=n2")
+    joiner = _agent_job(cluster, tmp_path / "join", job, "n2",
+                        f"export PYTHONPATH={WORKLOADS}:$PYTHONPATH HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1")
     try:
         job.completed(240)
     finally:
