@@ -117,7 +117,7 @@ def _run(config: ElasticConfig, target, held: list) -> int:
     from monarch_plugin.controller import ElasticController
 
     try:
-        result = ElasticController(config, target, held=held).run()
+        result = ElasticController(config, target, held=held, in_place=True).run()
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2

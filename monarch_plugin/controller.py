@@ -31,6 +31,7 @@ from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeErr
 from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
 from monarch_plugin.procs import slurm
+from monarch_plugin.procs.apart import in_child
 from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.procs.stores import AGENT_STORE_ENV, serve
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
@@ -162,10 +163,12 @@ class ElasticController:
     """Runs `target` on `config.replicas` replica groups and keeps it running through worker deaths."""
 
     def __init__(self, config: ElasticConfig, target: Target, launch: Launch | None = None,
-                 held: list[RunLock] | None = None):
+                 held: list[RunLock] | None = None, in_place: bool = False):
         """`launch` starts a replica's procs and its two actors; Monarch's proc meshes unless given (a benchmark
         gives its own, to drive this controller with more simulated replicas than a machine holds processes).
-        `held`: the run's files, already held by its caller (`runlock.hold`, which `run` calls otherwise)."""
+        `held`: the run's files, already held by its caller (`runlock.hold`, which `run` calls otherwise).
+        `in_place`: supervise from this process, which Monarch's runtime then stays in (`monarch-run`, a process
+        of its own); otherwise a run on Monarch is supervised from a child process (`procs.apart`)."""
         config.validate()
         resolve_backend(config.backend)
         agents = None
@@ -188,6 +191,7 @@ class ElasticController:
         """The size the run trains at when it can: `replicas`, grown up to `max_replicas` by machines that join."""
         self._q: queue.Queue = queue.Queue()
         self._launch = launch or self._launch_on_monarch
+        self._apart = launch is None and not in_place
         # On one machine: plans its GPUs now (ConfigError if short). On several: each must see these paths.
         shared = [os.getcwd(), os.path.dirname(os.path.abspath(config.events_path or "x"))]
         if target.kind == "script":
@@ -218,12 +222,22 @@ class ElasticController:
     # -- public ------------------------------------------------------------------------------------------
 
     def run(self) -> RunResult:
+        """Train to the end: the finishing replicas' return values. A run on Monarch is supervised from a child
+        of this process (unless `in_place`), so this process keeps only the result: Monarch's runtime, once
+        started in a process, stays in it (`procs.apart`)."""
+        locks = hold(self.config) if self._held is None else []  # before anything is spawned, in this process
+        try:
+            return in_child(self._run) if self._apart else self._run()
+        finally:
+            for lock in locks:
+                lock.release()
+
+    def _run(self) -> RunResult:
         t0 = time.time()
         faults = _FaultRouter.installed()
         faults.active = self
         # A signal with notice to this process (a preemption, `scancel`, `kill`) stops the run with a checkpoint.
         # Python sets handlers only from the main thread, where the controller runs under every front end.
-        locks = hold(self.config) if self._held is None else []  # before anything is spawned
         stopped: RunStopped | None = None
         previous = ({sig: signal.signal(sig, self._on_signal) for sig in NOTICE_SIGNALS}
                     if threading.current_thread() is threading.main_thread() else {})
@@ -272,8 +286,6 @@ class ElasticController:
             faults.active = None
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            for lock in locks:
-                lock.release()
             if stopped is not None:
                 slurm.requeue(stopped, self.config, self.events)
 

@@ -20,6 +20,9 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickled whole, from the run's controller process (`procs.apart`)
+        return type(self), (self.args[0], self.field)
+
 
 class BackendUnavailableError(RuntimeError):
     """The requested torch.distributed backend is not built into this torch."""
@@ -40,6 +43,9 @@ class ElasticRunAborted(RuntimeError):
     def __init__(self, message: str, checkpoint: str | None = None):
         super().__init__(message)
         self.checkpoint = checkpoint
+
+    def __reduce__(self):  # pickled whole, from the run's controller process (`procs.apart`)
+        return type(self), (self.args[0], self.checkpoint)
 
 
 class ReplicaCodeError(ElasticRunAborted):
@@ -62,3 +68,6 @@ class RunStopped(ElasticRunAborted, SystemExit):
 
         self.signal = signal
         self.status = self.code = 128 + int(signals.Signals[signal])
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.checkpoint, self.signal)

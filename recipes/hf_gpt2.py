@@ -8,7 +8,7 @@ The only elastic line is `callbacks=[MonarchElasticCallback()]`. Under `monarch-
 script; at step 25 replica 1 SIGKILLs itself (`--fault`, the runtime's opt-in fault injection). The other two drop
 that step, shrink, keep training; a replacement is spawned, healed from a live peer (weights, AdamW state, LR
 schedule, data cursor, TrainerState) and joins mid-epoch. HF's log lines carry `elastic/replicas`, checkpoints
-keep landing in `hf_gpt2_out/` (written by one replica), every replica prints the same weight checksum, and
+keep landing in `runs/hf_gpt2/` (written by one replica), every replica prints the same weight checksum, and
 `monarch-run` prints the recovery it measured from the events file. The model is built from a `GPT2Config`
 (nothing is downloaded); the corpus ships inside this file (the opening of Lewis Carroll's *Alice's Adventures
 in Wonderland*, 1865, public domain).
@@ -82,7 +82,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch", type=int, default=8, help="per_device_train_batch_size (x replicas = global batch)")
-    p.add_argument("--output-dir", default="hf_gpt2_out")
+    p.add_argument("--output-dir", default="runs/hf_gpt2")
     args = p.parse_args()
 
     data = Characters(CORPUS, block=64, stride=6)

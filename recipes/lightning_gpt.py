@@ -188,7 +188,7 @@ def main() -> None:
     else:
         strategy = MonarchStrategy(**knobs)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
-                         log_every_n_steps=5, default_root_dir="lightning_gpt_runs")
+                         log_every_n_steps=5, default_root_dir="runs/lightning_gpt")
     trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True, drop_last=True),
                 DataLoader(val, batch_size=16))
 

@@ -164,7 +164,13 @@ class MonarchStrategy(ParallelStrategy):
     @override
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING or self._ctx is None:
+        ctx = self._ctx
+        if ctx is not None and ctx.config.max_replicas * ctx.procs_per_replica > 1:
+            # A file per proc, as ddp_spawn's ranks write them (`<stage>-<filename>-<rank>.txt`): Lightning numbers
+            # them only when its world has several procs, and here its world is one replica's.
+            rank = ctx.replica_id * ctx.procs_per_replica + ctx.local_rank
+            trainer.profiler.setup(stage=trainer.state.fn, local_rank=rank, log_dir=trainer.log_dir)
+        if trainer.state.fn != TrainerFn.FITTING or ctx is None:
             return
         module = self.lightning_module
         if len(self.optimizers) != 1:

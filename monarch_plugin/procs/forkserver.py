@@ -96,8 +96,9 @@ class ForkServer:
     """A handle on one server on this machine: start it, wait for its imports, stop it.
 
     `ForkServer.shared` keeps one per list of imports for the life of the process that runs controllers, as
-    multiprocessing keeps its forkserver: Lightning's `fit`, `validate` and `test` in one script, or a test suite's
-    runs, pay the imports once. It is stopped when that process exits, and ends by itself if that process dies.
+    multiprocessing keeps its forkserver: `monarch-run`'s, or the child a run from Python is supervised from
+    (`procs.apart`), so each of those starts its own. It is stopped when that process exits, and ends by itself
+    (removing its socket) when that process ends without stopping it.
     """
 
     @classmethod
@@ -239,6 +240,11 @@ def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
+                pass
+        for remove, name in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):  # what `stop` removes
+            try:
+                remove(name)
+            except OSError:
                 pass
 
 

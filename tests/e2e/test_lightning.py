@@ -27,7 +27,7 @@ from lightning.pytorch.accelerators import Accelerator  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from conftest import WORKLOADS, ElasticRun, alive, run_factory  # noqa: E402
+from conftest import WORKLOADS, ElasticRun, alive, descendants, run_factory  # noqa: E402
 from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy  # noqa: E402
 
 WORKLOAD = WORKLOADS / "lightning_fit.py"
@@ -359,6 +359,29 @@ def test_fit_then_test_and_predict_return_a_single_devices_results_and_survive_a
     # Every replica evaluated every sample: the metrics and the predictions (in dataset order) are one device's.
     assert stages["test"][0]["test_loss"] == pytest.approx(float(((predicted - data.y) ** 2).mean()), rel=1e-5)
     torch.testing.assert_close(torch.tensor(stages["predict"]), predicted.reshape(-1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_runs_leave_the_users_process_as_they_found_it_and_profile_a_file_per_replica_in_every_stage(tmp_path):
+    """Two runs of the runtime's Python API, then fit, validate, test, predict and fit again, in one process: after
+    each, the process has the threads, environment, signal handlers and open files it had before the first (the
+    controller and Monarch's runtime ran in a child of it, `procs.apart`)."""
+    script = WORKLOADS / "left_behind.py"
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=200)
+    finally:
+        for pid in descendants(proc.pid):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-4000:]
+    runs = json.loads((tmp_path / "result.json").read_text())
+    assert [r["run"] for r in runs] == ["api 0", "api 1", "fit", "validate", "test", "predict", "fit"]
+    assert [r["result"] for r in runs] == [[0, 1], [0, 1], 4, 1, 1, 8, 4], runs  # steps, metric dicts, batches
+    assert {r["run"]: r["left"] for r in runs if r["left"]} == {}
+    profiles = {f"{stage}-profiler-{rank}.txt" for stage in ("fit", "validate", "test", "predict") for rank in (0, 1)}
+    assert set(os.listdir(tmp_path / "profiler")) == profiles  # one per replica in every stage, as ddp_spawn's ranks
 
 
 @pytest.mark.timeout(180)
