@@ -726,7 +726,10 @@ class ElasticController:
             stop = policies.below_min(len(members), self.config)
             if stop:
                 logger.warning("%s: the run stops (%s)", what, stop)
-                self._give_up(stop)
+                # What raised, with its traceback: the stop's cause, which the message would otherwise not name.
+                tracebacks = "".join(f"\n--- replica {r.rid} traceback ---\n{r.raised.traceback.rstrip()}"
+                                     for r in dead if r.raised is not None)
+                self._give_up(f"{what}: {stop}", tracebacks)
                 return
             who = f"replica {lost_members[0]}" if len(lost_members) == 1 else f"replicas {lost_members}"
             restoring = self._replan(members, f"{who} died", what)

@@ -17,6 +17,7 @@ finishes; none is respawned (a replacement would only start the stage over).
 
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import io
@@ -30,6 +31,7 @@ import cloudpickle
 import torch
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.callbacks import BatchSizeFinder
 from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
@@ -64,8 +66,9 @@ _NOTES = {
     "backend": 'torch.distributed backend within and across replicas: "auto" (nccl on CUDA and ROCm builds, '
                'where it is RCCL; gloo on CPU), "gloo" or "nccl".',
     "events_path": "JSON-lines file for structured events (spawn, death, quorum, dropped step, heal, give-up). "
-                   "None: `$MONARCH_PLUGIN_EVENTS` or `monarch_events.jsonl` in the Trainer's `default_root_dir` "
-                   "(`monarch_events-<stage>.jsonl` for validate, test and predict).",
+                   "None: `$MONARCH_PLUGIN_EVENTS` or `monarch_events.jsonl` in `trainer.log_dir` (the first "
+                   "logger's version directory; `default_root_dir` with `logger=False`), "
+                   "`monarch_events-<stage>.jsonl` for validate, test and predict.",
     "hosts": "Monarch host agents to run the replicas on, one per machine, as `tcp://IP:PORT` (start one with "
              "`monarch-plugin host --address tcp://IP:PORT`); `Trainer(num_nodes=...)` of them, each given `devices` "
              "replica procs. Empty: every replica on this machine. The script and its environment must be at the same "
@@ -142,6 +145,35 @@ def check_training_loader(loader: object) -> None:
         )
 
 
+def check_callbacks(callbacks: list) -> None:
+    """Refuse, naming the fix, before anything is spawned: a `BatchSizeFinder` (also what `Tuner.scale_batch_size`
+    adds), refused as Lightning refuses it under its distributed strategies, since its trials would run inside
+    each replica and the size found would never reach this process; and a callback that cannot load its own
+    `state_dict()`, since a replacement replica loads every callback's state from a live peer (as resuming from a
+    checkpoint does) and would fail every heal. Lightning 2.6's `SpikeDetection` is one: its `load_state_dict`
+    reads an attribute it never sets. The reload is tried on a copy."""
+    for callback in callbacks:
+        if isinstance(callback, BatchSizeFinder):
+            raise MisconfigurationException(
+                "Batch size finder is not supported with distributed strategies, MonarchStrategy included: its "
+                "trials would run inside each replica. Find the batch size with one device, then set it"
+            )
+        try:
+            state, twin = callback.state_dict(), copy.deepcopy(callback)
+        except Exception:  # noqa: BLE001 - not copyable here (a lock, a handle): the heal itself will say
+            continue
+        if not state:
+            continue
+        try:
+            twin.load_state_dict(copy.deepcopy(state))
+        except Exception as e:  # noqa: BLE001 - any failure has the same fix
+            raise MisconfigurationException(
+                f"{type(callback).__name__}.load_state_dict fails on its own state_dict() ({type(e).__name__}: {e}); "
+                "MonarchStrategy loads every callback's state into a replacement replica, as resuming from a "
+                f"checkpoint does: remove the {type(callback).__name__} callback or fix its load_state_dict"
+            ) from e
+
+
 class _MonarchLauncher(Launcher):
     """The controller side of the strategies: checks the Trainer's arguments when it is built, and runs a stage's
     replicas under `ElasticController` when it is called."""
@@ -178,12 +210,15 @@ class _MonarchLauncher(Launcher):
         s = self._strategy
         return len(s.parallel_devices or []) * s.num_nodes // s.procs_per_replica
 
-    def config(self, root_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
+    def config(self, log_dir: Optional[str] = None, stage: str = "fit") -> ElasticConfig:
         """The run's `ElasticConfig`: the strategy's settings and what Lightning's own arguments say; raises
         naming the argument to change.
 
-        Unless `events_path` (or `$MONARCH_PLUGIN_EVENTS`) says otherwise, the events go to the Trainer's
-        `default_root_dir` (`root_dir`), next to its logs and checkpoints: `monarch_events.jsonl` for `fit`,
+        Unless `events_path` (or `$MONARCH_PLUGIN_EVENTS`) says otherwise, the events go to `log_dir`, the
+        Trainer's `log_dir`: the first logger's version directory, next to that run's metrics, hyperparameters and
+        checkpoints, so each logged version keeps its own record (with `logger=False`, Lightning's `log_dir` is
+        `default_root_dir`). The tools that read that directory (TensorBoard, the CSV logger's versioning,
+        `ModelCheckpoint`) pick their own files by name. `monarch_events.jsonl` for `fit`,
         `monarch_events-<stage>.jsonl` for the other stages, so a `test` after `fit` keeps fit's record.
         `validate`, `test` and `predict` respawn nobody (any finishing replica holds the stage's result).
         """
@@ -208,8 +243,8 @@ class _MonarchLauncher(Launcher):
                 f"{type(s).__name__}(min_replicas={settings['min_replicas']}): raise `devices` or lower `min_replicas`"
             )
         events = settings.get("events_path")
-        if events is None and root_dir is not None:
-            events = os.environ.get("MONARCH_PLUGIN_EVENTS") or os.path.join(root_dir, "monarch_events.jsonl")
+        if events is None and log_dir is not None:
+            events = os.environ.get("MONARCH_PLUGIN_EVENTS") or os.path.join(log_dir, "monarch_events.jsonl")
         if stage != "fit":
             settings.update(min_replicas=1, fault=None, max_restarts=0, spares=0)
             if events:
@@ -233,6 +268,7 @@ class _MonarchLauncher(Launcher):
             loader = args[1] if len(args) > 1 else kwargs.get("train_dataloaders")
             if loader is not None and not isinstance(loader, LightningDataModule):
                 check_training_loader(loader)
+            check_callbacks(trainer.callbacks)
         if fitting and not model.automatic_optimization:
             raise MisconfigurationException(
                 "MonarchStrategy redoes a step that a death interrupted (all of its accumulated micro-batches), "
@@ -262,7 +298,7 @@ class _MonarchLauncher(Launcher):
             ) from e
         for logger in trainer.loggers:
             logger.version  # fixed here, so every replica (and a later rank 0) logs into the same version
-        config = self.config(root_dir=trainer.default_root_dir, stage=trainer.state.fn.value)
+        config = self.config(log_dir=trainer.log_dir or trainer.default_root_dir, stage=trainer.state.fn.value)
         try:  # its messages name the settings as the strategies' arguments do
             target = Target.function(_StageInReplica(trainer, function.__name__, args, kwargs))
             result = ElasticController(config, target).run()

@@ -4,8 +4,8 @@ Lightning's split: the strategy is the replica side, and the controller side is 
 which the strategy creates when the Trainer is built in the user's process, and which checks the Trainer's
 arguments against the settings (`MonarchStrategy(min_replicas=...)`, every `ElasticConfig` field by its name) and
 runs `fit` in every replica. Inside a replica the strategy is a data-parallel strategy whose torch.distributed
-default group holds only that replica's own procs, so Lightning's own collectives (`self.log(sync_dist=True)`,
-barriers, the SIGTERM broadcast) never cross replicas. Everything that crosses replicas goes through the runtime's
+default group holds only that replica's own procs, so Lightning's own collectives (`strategy.reduce`, barriers,
+the SIGTERM broadcast) never cross replicas. Everything that crosses replicas goes through the runtime's
 step transaction (`StepTransaction`):
 
 * A global step is a window of `accumulate_grad_batches` micro-batches, each one global batch cut over the live

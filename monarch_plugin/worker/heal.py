@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import pathlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -58,6 +59,12 @@ class _ShardSlot(_TensorSlot):
     placements: tuple
     global_shape: tuple
     stride: tuple
+
+
+_SKELETON_TYPES = (_TensorSlot, _ShardSlot, pathlib.PurePosixPath, pathlib.PosixPath)
+"""What a skeleton may name besides containers, numbers, strings, dtypes and DTensor placements: the slots, and the
+paths front ends' state holds (Lightning's `SpikeDetection` keeps its `exclude_batches_path` in its state). Building
+any of them runs none of the donor's code."""
 
 
 @dataclass(frozen=True)
@@ -240,18 +247,18 @@ def transfer_state(
 
 
 def _load_skeleton(raw: bytes) -> Any:
-    """The donor's skeleton, read with torch's `weights_only` unpickler: containers, numbers, strings, dtypes and the
-    types named in `_SKELETON_TYPES` only. Whatever else a skeleton names is refused, not run: a process that took
+    """The donor's skeleton, read with torch's `weights_only` unpickler: containers, numbers, strings, dtypes,
+    DTensor placements and the types named in `_SKELETON_TYPES` only. Whatever else a skeleton names is refused, not run: a process that took
     the donor's place (or a front end's state holding an object) fails the heal with the type named."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import Partial
 
     try:
-        with torch.serialization.safe_globals([_TensorSlot, _ShardSlot, Shard, Replicate, Partial]):
+        with torch.serialization.safe_globals([*_SKELETON_TYPES, Shard, Replicate, Partial]):
             return torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch's UnpicklingError names the type it refused
         raise ProtocolError("heal", f"the donor's state holds a type a heal does not carry ({_first_line(e)}): keep "
-                            "the state's non-tensor values to numbers, strings, lists and dicts") from None
+                            "the state's non-tensor values to numbers, strings, paths, lists and dicts") from None
 
 
 def _first_line(e: BaseException) -> str:

@@ -24,6 +24,7 @@ pytest.importorskip("lightning")
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.pytorch.accelerators import Accelerator  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -574,6 +575,16 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     sampled = DataLoader(lightning_fit.Regression(16, 4), batch_sampler=[[0, 1], [2, 3]])
     with pytest.raises(MisconfigurationException, match=r"give the training DataLoader a batch_size"):
         trainer.fit(model, sampled)
+    from lightning.pytorch.callbacks import SpikeDetection  # Lightning 2.6's cannot load its own state
+
+    spiky = pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(events_path=str(events)),
+                       logger=False, max_epochs=1, callbacks=[SpikeDetection()])
+    with pytest.raises(MisconfigurationException, match=r"remove the SpikeDetection callback or fix its load_state"):
+        spiky.fit(model, loader)
+    from lightning.pytorch.tuner import Tuner
+
+    with pytest.raises(MisconfigurationException, match=r"Batch size finder is not supported .* MonarchStrategy"):
+        Tuner(trainer).scale_batch_size(model, loader)
     assert not events.exists()  # nothing was spawned
 
 
@@ -592,18 +603,21 @@ def test_in_a_slurm_batch_script_lightnings_own_slurm_detection_stays_out_of_the
     assert trainer.strategy.launcher.config().slurm  # the run takes the allocation: its agents are SLURM's steps
 
 
-def test_events_default_to_the_trainers_root_dir_one_file_per_stage(tmp_path, monkeypatch):
+def test_events_default_to_the_trainers_log_dir_one_file_per_stage(tmp_path, monkeypatch):
     monkeypatch.delenv("MONARCH_PLUGIN_EVENTS", raising=False)
+    logged = pl.Trainer(accelerator="cpu", devices=2, strategy="monarch", default_root_dir=str(tmp_path),
+                        logger=CSVLogger(str(tmp_path)))
+    assert logged.strategy.launcher.config(log_dir=logged.log_dir).events_path == str(  # next to metrics.csv
+        tmp_path / "lightning_logs" / "version_0" / "monarch_events.jsonl")
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="monarch", logger=False,
                          default_root_dir=str(tmp_path))
     strategy = trainer.strategy
-    assert strategy.launcher.config(root_dir=trainer.default_root_dir).events_path == str(
-        tmp_path / "monarch_events.jsonl")
-    test = strategy.launcher.config(root_dir=trainer.default_root_dir, stage="test")
+    assert strategy.launcher.config(log_dir=trainer.log_dir).events_path == str(tmp_path / "monarch_events.jsonl")
+    test = strategy.launcher.config(log_dir=trainer.log_dir, stage="test")
     assert test.events_path == str(tmp_path / "monarch_events-test.jsonl")
     assert (test.max_restarts, test.spares, test.min_replicas) == (0, 0, 1)  # an evaluation stage respawns nobody
     monkeypatch.setenv("MONARCH_PLUGIN_EVENTS", str(tmp_path / "mine.jsonl"))
-    assert strategy.launcher.config(root_dir=trainer.default_root_dir).events_path == str(tmp_path / "mine.jsonl")
+    assert strategy.launcher.config(log_dir=trainer.log_dir).events_path == str(tmp_path / "mine.jsonl")
 
 
 @pytest.mark.timeout(300)

@@ -47,7 +47,7 @@ def test_every_lightning_argument_reaches_the_runs_config():
     strategy.parallel_devices = ["cpu"] * 3
     launcher = object.__new__(_MonarchLauncher)
     launcher._strategy = strategy
-    config = launcher.config(root_dir="/tmp/run")
+    config = launcher.config(log_dir="/tmp/run")
     assert (config.heal_donors, config.crash_loop_limit, config.restart_backoff_s) == (1, 5, 0.5)
     assert (config.replicas, config.max_replicas, config.backend) == (3, 3, "gloo")  # from Trainer(devices=3)
 

@@ -69,6 +69,7 @@ def test_a_skeleton_is_read_as_data_and_one_naming_other_code_is_refused_not_run
     """The receiver reads the donor's skeleton with torch's `weights_only` unpickler: slots, placements, an RNG state
     come back; anything else it names is refused (whoever sent it), and nothing of it runs."""
     import io
+    import pathlib
     import random
 
     import torch
@@ -85,10 +86,12 @@ def test_a_skeleton_is_read_as_data_and_one_naming_other_code_is_refused_not_run
 
     skeleton = {"w": _TensorSlot(0, (2, 3), torch.float32, True), "rng": rng_state(torch.device("cpu")),
                 "s": _ShardSlot(1, (2,), torch.bfloat16, False, (Shard(0), Replicate()), (4,), (1,)),
-                "optimizer": [{"lr": 0.1, "betas": (0.9, 0.999), "name": None}], "python": random.getstate()}
+                "optimizer": [{"lr": 0.1, "betas": (0.9, 0.999), "name": None}], "python": random.getstate(),
+                "callbacks": {"SpikeDetection": {"exclude_batches_path": pathlib.Path("/runs/a")}}}
     back = _load_skeleton(wire({**skeleton, "rng": {**skeleton["rng"], "torch": _TensorSlot(2, (8,), torch.uint8,
                                                                                             True)}}))
     assert back["s"] == skeleton["s"] and back["w"] == skeleton["w"] and back["python"] == skeleton["python"]
+    assert back["callbacks"] == skeleton["callbacks"]  # a Lightning callback's state holding a path
     with pytest.raises(ProtocolError, match="a heal does not carry"):
         _load_skeleton(wire({"w": skeleton["w"], "x": _RunsCode()}))
     assert "ran code" not in capsys.readouterr().out

@@ -4,19 +4,22 @@ One process runs the runtime's Python API twice (`ElasticController(...).run()`)
 `fit`, `validate`, `test`, `predict` and `fit` again, and after each compares the process with what it was before
 the first: its threads, environment, signal handlers and open file descriptors. Writes OUT/result.json: per run,
 what differs (empty when nothing was left), and the run's result, so a test sees that the run really trained.
-Each stage profiles with Lightning's `SimpleProfiler` into OUT/profiler, which ddp_spawn fills with a file per rank.
+Each stage profiles with Lightning's `SimpleProfiler` into OUT/profiler, which ddp_spawn fills with a file per rank,
+and has a callback whose state (which the first generation's heal carries) holds a path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import sys
 import threading
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import SimpleProfiler
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -63,6 +66,19 @@ def process_state() -> dict:
             "signal handlers": handlers}
 
 
+class Remembers(Callback):
+    """State holding a path, as Lightning's `SpikeDetection` keeps its `exclude_batches_path`."""
+
+    def __init__(self, where: str):
+        self.where = pathlib.Path(where)
+
+    def state_dict(self) -> dict:
+        return {"where": self.where}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.where = state["where"]
+
+
 def differences(before: dict, after: dict) -> dict:
     """Per kind, each entry that was added, removed or changed: {name: [before, after]}."""
     found = {}
@@ -92,7 +108,8 @@ def main() -> None:
         profiler = SimpleProfiler(os.path.join(out, "profiler"), "profiler")
         trainer = pl.Trainer(strategy=MonarchStrategy(), devices=2, accelerator="cpu", max_epochs=1, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             default_root_dir=out, profiler=profiler)
+                             default_root_dir=out, profiler=profiler,
+                             callbacks=[Remembers(out)])
         returned = getattr(trainer, stage)(Regressor(), DataLoader(data, batch_size=4))
         runs.append({"run": stage, "result": trainer.global_step if stage == "fit" else len(returned),
                      "left": differences(before, process_state())})
