@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import queue
 import signal
@@ -38,6 +39,7 @@ from monarch_plugin.procs.notice import NOTICE_SIGNALS
 from monarch_plugin.runlock import RunLock, hold, holds_checkpoints
 from monarch_plugin.signing import SECRET_ENV, Forged, SignedStore, forged_reporter, new_secret
 from monarch_plugin.protocol import (
+    START_METHOD_ENV,
     WAITING_ON_PEERS,
     Action,
     Died,
@@ -345,6 +347,7 @@ class ElasticController:
             "LOCAL_WORLD_SIZE": str(k),
             # torchrun's default: replicas share the host's cores, and a thread pool per core each thrashes.
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            START_METHOD_ENV: multiprocessing.get_start_method(allow_none=True) or "",
             **self.hosts.env_for(replica.rid),
         }
         try:

@@ -23,6 +23,7 @@ __all__ = [
     "Plan",
     "Raised",
     "ReplicaState",
+    "START_METHOD_ENV",
     "WAITING_ON_PEERS",
     "mesh_names",
     "replica_of_mesh",
@@ -44,6 +45,10 @@ class Phase(str, enum.Enum):
 
 
 WAITING_ON_PEERS = frozenset({Phase.JOIN, Phase.REDUCE, Phase.FINISH})
+
+START_METHOD_ENV = "MONARCH_PLUGIN_START_METHOD"
+"""The multiprocessing start method the user's process chose, for the training code in the replicas (`ReplicaActor`);
+empty: Python's default."""
 """Phases in which a worker waits on its peers: however long it sits there, it is not the one that hangs."""
 
 

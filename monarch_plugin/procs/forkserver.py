@@ -20,7 +20,9 @@ Rules it keeps:
   single-threaded, so a fork copies no lock held by another thread.
 - Lifetimes: the server ends with the process that started it (a pidfd in its loop; it SIGKILLs its children
   as it goes), a child is SIGKILLed when the server goes (PR_SET_PDEATHSIG, which reaches a stopped process too)
-  and when its client goes (a pidfd watched by a thread). No process outlives the controller's process.
+  and when its client goes (a pidfd watched by a thread). The server is its children's subreaper: what a dead
+  proc leaves (DataLoader workers, which under Monarch's bootstrap start from multiprocessing's forkserver and
+  watch only it) becomes the server's, which ends it. No process outlives its replica or the controller's process.
 - A child gets what a fresh interpreter would have: the client's environment, directory, `PYTHONPATH` entries
   and process group, fresh random seeds; only the imported modules are shared (copy-on-write).
 - CUDA is never touched in the server; on a GPU build it is off by default all the same (`ElasticConfig
@@ -65,6 +67,9 @@ READY_TIMEOUT_S = 120.0
 _BOOTSTRAP = "monarch._src.actor.bootstrap_main"
 _GPU_BUILD = 3  # the server's exit status when it finds a GPU build of torch and was started `--cpu-only`
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_STOP_WAIT_S = 5.0
+"""How long `stop` gives the server to end its procs and what they left before it SIGKILLs it."""
 _MAX_MESSAGE = 1 << 20
 
 
@@ -174,10 +179,16 @@ class ForkServer:
             return self._ready
 
     def stop(self) -> None:
-        """Stop the server (after the replicas: its children die with it). SIGKILL: it ignores SIGTERM."""
+        """Stop the server: SIGHUP, on which it ends its procs and whatever they left behind, then itself (it
+        ignores SIGTERM and SIGUSR1, which a scheduler sends the whole job); SIGKILL if it has not within
+        `_STOP_WAIT_S` (its procs still die with it)."""
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait()
+            self._proc.send_signal(signal.SIGHUP)
+            try:
+                self._proc.wait(timeout=_STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
         for path in (self.socket_path, self._dir):
             try:
                 os.rmdir(path) if path == self._dir else os.unlink(path)
@@ -201,6 +212,10 @@ def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
         parent = os.pidfd_open(os.getppid())
     except ProcessLookupError:
         return
+    # What a proc leaves behind when it dies (its DataLoader workers, and multiprocessing's forkserver that Monarch's
+    # bootstrap makes their start method, whose workers watch only that forkserver) becomes the server's: ended in
+    # `_reap`, never left running.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for module in preload:
         __import__(module)
         if select.select([parent], [], [], 0)[0]:  # it died meanwhile
@@ -217,6 +232,7 @@ def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     for sig in notice.NOTICE_SIGNALS:  # a scheduler signals the whole job: the procs drain, and must not die with the server
         signal.signal(sig, lambda *_: None)
+    signal.signal(signal.SIGHUP, _stop_serving)  # `ForkServer.stop`
     children: dict[int, socket.socket] = {}  # pid -> its client's connection
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -236,11 +252,17 @@ def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
                     wake_r.recv(4096)
                     _reap(children)
     finally:
-        for pid in children:  # a stopped child ignores SIGTERM; SIGKILL is what PR_SET_PDEATHSIG sends anyway
+        # Every proc, then what each left: a stopped child ignores SIGTERM; SIGKILL is what PR_SET_PDEATHSIG sends
+        # anyway. Reaped until none is left, so the orphans of each reach the server (bounded: it ends regardless).
+        deadline = time.monotonic() + _STOP_WAIT_S - 1
+        while time.monotonic() < deadline:
+            _kill(_adopted(()))
             try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                while os.waitpid(-1, os.WNOHANG)[0]:
+                    pass
+            except ChildProcessError:
+                break
+            time.sleep(0.01)
         for remove, name in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):  # what `stop` removes
             try:
                 remove(name)
@@ -290,13 +312,44 @@ def _fork_one(conn: socket.socket, own: list[socket.socket], parent: int, select
     return pid
 
 
+def _stop_serving(*_) -> None:
+    raise SystemExit(0)
+
+
+def _adopted(children) -> list[int]:
+    """The server's children that are not `children` (its procs): what a dead proc left, adopted by the server as
+    their subreaper."""
+    me, found = str(os.getpid()), []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in children:
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = f.read().rsplit(")", 1)[1].split()[1]
+            except (OSError, IndexError):
+                continue
+            if ppid == me:
+                found.append(int(name))
+    return found
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def _reap(children: dict[int, socket.socket]) -> None:
+    """Report each proc's end to its client; SIGKILL what the dead left behind (those reparent to the server, and
+    die in turn, so each round of deaths brings this back until nothing is left)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
+            _kill(_adopted(children))
             return
         conn = children.pop(pid, None)
         if conn is None:

@@ -7,6 +7,7 @@ stays reachable while training runs and which only flips flags in `context.flags
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
@@ -16,7 +17,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from monarch_plugin.handshake import ProtocolError
-from monarch_plugin.protocol import Key, Outcome, Raised
+from monarch_plugin.protocol import START_METHOD_ENV, Key, Outcome, Raised
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
 from monarch_plugin.procs.lease import Lease
@@ -75,6 +76,12 @@ class ReplicaActor(Actor):
         os.environ.update({"RANK": str(local_rank), "LOCAL_RANK": str(local_rank)})
         # torch sized its thread pool when this process imported it, before the environment above arrived.
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        # Monarch's bootstrap makes multiprocessing start processes from a forkserver in every proc. The training code
+        # gets the start method it had in the user's process (Python's default unless that process chose one), as
+        # under torchrun: DataLoader workers then use a Dataset defined in the script's __main__, and end with their
+        # replica (a forkserver's workers watch the forkserver, which outlives it).
+        multiprocessing.set_start_method(env.get(START_METHOD_ENV) or multiprocessing.get_all_start_methods()[0],
+                                         force=True)
         # The store the training code's `init_process_group` meets its siblings on, on loopback only (`procs.stores`).
         self._replica_store = serve("127.0.0.1", int(env["MASTER_PORT"]), 300.0) if local_rank == 0 else None
         self._lease = None

@@ -156,6 +156,34 @@ def test_replacement_ready_after_the_end_is_stopped_not_stranded(elastic_run):
         assert not any(alive(pid) for pid in replica_pids)
 
 
+def test_what_a_replica_started_ends_with_it_when_it_is_killed_and_when_the_run_ends(elastic_run):
+    """A process the training code started from multiprocessing's forkserver (a child of that forkserver, which
+    watches only the forkserver) does not outlive its replica: not when the replica is SIGKILLed, not when the run
+    ends. Monarch's procs default to that start method; the forkserver's subreaper ends what a dead proc left."""
+    import json
+    import time
+
+    run = elastic_run()
+    run.start("--replicas", "2", "--min-replicas", "1", "--max-restarts", "0",
+              script=WORKLOADS / "spawns_children.py", script_args=(str(run.out),))
+    pids = {r: run.wait_for(lambda r=r: (run.out / f"pids-{r}.json").exists(), 60, f"replica {r}'s child")
+            and json.loads((run.out / f"pids-{r}.json").read_text()) for r in (0, 1)}
+    left = {r: descendants(p["replica"]) - {p["replica"]} for r, p in pids.items()}
+    assert all(p["child"] in left[r] and len(left[r]) >= 2 for r, p in pids.items()), left  # forkserver and child
+    try:
+        os.kill(pids[1]["replica"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in left[1]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in left[1] if alive(p)]
+        assert run.wait(timeout=60) == 0, run.output
+        assert not [p for p in left[0] if alive(p)]
+    finally:  # what a failure of this test would leave behind
+        for p in {*left[0], *left[1]}:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def test_a_death_reported_after_the_run_ends_does_not_take_the_process_down():
     """Monarch reports a proc's death up to seconds after the pidfd does: a replica killed at the last step was
     reported after the run's shutdown, and Monarch's default hook turned the finished run into exit status 1.

@@ -99,9 +99,11 @@ def test_sigkill_of_rank_zero_mid_epoch_fit_survives_with_exact_steps_data_and_c
     epochs, samples, batch, devices = 10, 240, 8, 3
     run = lightning_run().start("--devices", str(devices), "--min-replicas", "2", "--epochs", str(epochs),
                                 "--samples", str(samples), "--batch", str(batch), "--step-sleep", "0.1",
-                                "--checkpoint-every", "20", "--hold-for-regrow-from", "60")
+                                "--checkpoint-every", "20", "--hold-for-regrow-from", "60", "--workers", "2")
     run.wait_for(lambda: run.progress(0) >= 6, timeout=150, what="replica 0 to reach step 6")
     pids = run.pids()
+    left = descendants(pids[0][0]) - {pids[0][0]}  # its DataLoader workers, forked from it as under torchrun
+    assert len(left) == 2, left
     os.kill(pids[0][0], signal.SIGKILL)  # rank 0: the replica that logs and writes checkpoints
 
     assert run.wait(timeout=180) == 0, run.output
@@ -117,6 +119,7 @@ def test_sigkill_of_rank_zero_mid_epoch_fit_survives_with_exact_steps_data_and_c
     assert logger_steps == dict.fromkeys((1, 2, 3), result["global_step"]), logger_steps
     # Every sample of every epoch took part in exactly one committed step (counted by the gradients).
     _every_sample_once_per_epoch(result)
+    assert not [pid for pid in left if alive(pid)]  # what the dead replica left ended with it
 
     quorums = [q["members"] for q in run.events("quorum")]
     assert quorums == [[0, 1, 2], [1, 2], [1, 2, 3]], quorums

@@ -189,6 +189,7 @@ def main() -> None:
     p.add_argument("--limit-train-batches", type=_batches, default=None, help="Trainer(limit_train_batches=...)")
     p.add_argument("--overfit-batches", type=_batches, default=0, help="Trainer(overfit_batches=...)")
     p.add_argument("--shuffle", action="store_true", help="shuffle the training DataLoader")
+    p.add_argument("--workers", type=int, default=0, help="the training DataLoader's num_workers (persistent)")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer")
     p.add_argument("--swa", action="store_true",
                    help="StochasticWeightAveraging from epoch 1 (with --batchnorm it adds an epoch that refits BN)")
@@ -259,7 +260,8 @@ def main() -> None:
         enable_checkpointing=args.checkpoint_every > 0,
         enable_progress_bar=False, enable_model_summary=False,
     )
-    loader = DataLoader(Regression(args.samples, args.dim), batch_size=batch, shuffle=args.shuffle)
+    loader = DataLoader(Regression(args.samples, args.dim), batch_size=batch, shuffle=args.shuffle,
+                        num_workers=args.workers, persistent_workers=args.workers > 0)
     val_loader = None
     if args.val_samples:
         val_loader = DataLoader(Regression(args.val_samples, args.dim, split=1), batch_size=16)
