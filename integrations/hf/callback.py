@@ -598,7 +598,10 @@ def _check_arguments(trainer, ctx) -> None:
             "load_best_model_at_end=True"
         )
     for name, why in (("auto_find_batch_size", "it changes the global batch mid-run"),
-                      ("ignore_data_skip", "a replacement enters the epoch by skipping what its peers trained")):
+                      ("ignore_data_skip", "a replacement enters the epoch by skipping what its peers trained"),
+                      ("torch_compile", "with it the replicas' gradients were measured not to be reduced across "
+                                        "replicas: each trained on its own share and the replicas diverged, "
+                                        "benchmarks/hf_features.py")):
         if getattr(args, name):
             raise ValueError(f"{name}=True is not supported by MonarchElasticCallback ({why}): remove it")
     if args.n_gpu > 1:

@@ -304,6 +304,7 @@ def test_bad_input_stops_the_run_with_a_message_that_names_the_fix(hf_run):
     uneven = hf_run().start("--replicas", "1", "--max-replicas", "2", script_args=("--samples", "49", "--batch", "4"))
     deepspeed = hf_run().start("--replicas", "1", script_args=("--bad", "deepspeed"))
     workers = hf_run().start("--replicas", "1", script_args=("--stream", "torch", "--max-steps", "4", "--workers", "2"))
+    compiled = hf_run().start("--replicas", "1", script_args=("--training-args", '{"torch_compile": true}'))
     assert uneven.wait(timeout=120) == 1
     assert "ValueError: per_device_train_batch_size=4 x 1 replica(s) is a global batch of 4" in uneven.output
     assert "cannot be split over up to 2 replicas" in uneven.output
@@ -314,7 +315,9 @@ def test_bad_input_stops_the_run_with_a_message_that_names_the_fix(hf_run):
     assert workers.wait(timeout=120) == 1
     assert "ValueError: dataloader_num_workers=2 with a streaming train_dataset is not supported" in workers.output
     assert "Set dataloader_num_workers=0" in workers.output
-    for run in (uneven, deepspeed, workers):
+    assert compiled.wait(timeout=120) == 1
+    assert "ValueError: torch_compile=True is not supported by MonarchElasticCallback" in compiled.output
+    for run in (uneven, deepspeed, workers, compiled):
         assert not run.results() and not run.events("quorum")  # rejected before any training
         for replica_pids in run.pids().values():
             assert not any(alive(pid) for pid in replica_pids)

@@ -21,7 +21,9 @@ saved, whether it was the main replica) and DIR/weights-<id>.pt, where <id> is t
 `rank<RANK>` under torchrun and `single` otherwise; and DIR/progress-<id> (its global step) after every step, so
 a test knows when to kill it. `--pause-at N` makes the initial replicas hold step N until the test creates
 DIR/release, and a replacement start `train()` only once they are there, so it joins right after step N whatever
-the machine's speed. `--bad` builds one of the inputs the callback must reject.
+the machine's speed. `--bad` builds one of the inputs the callback must reject. `--training-args '{"bf16": true}'`
+sets more `TrainingArguments` fields and `--eval N` adds an `eval_dataset` of N samples (`benchmarks/hf_features.py`
+trains each Trainer feature this way).
 """
 
 from __future__ import annotations
@@ -171,6 +173,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="dataloader_num_workers")
     p.add_argument("--add-late", action="store_true", help="trainer.add_callback(...) after Trainer(...)")
     p.add_argument("--bad", choices=("deepspeed",), default=None)
+    p.add_argument("--eval", type=int, default=0, help="an eval_dataset of this many samples (0: none)")
+    p.add_argument("--training-args", default="{}", help="more TrainingArguments fields, as a JSON object")
     args = p.parse_args()
 
     ctx = worker_context()
@@ -181,13 +185,14 @@ def main() -> None:
     model: nn.Module = GPT2LMHeadModel(config)
     if args.count:
         model = CountingLM(model, args.epochs, args.samples, args.sample_sleep)
-    training = TrainingArguments(
-        output_dir=os.path.join(args.out, "hf"), per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=args.accumulate, num_train_epochs=args.epochs, max_steps=args.max_steps,
-        max_grad_norm=args.max_grad_norm, learning_rate=1e-3, logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to="none", disable_tqdm=True, use_cpu=True, seed=0, dataloader_num_workers=args.workers,
-    )
+    training = TrainingArguments(**{
+        "output_dir": os.path.join(args.out, "hf"), "per_device_train_batch_size": args.batch,
+        "gradient_accumulation_steps": args.accumulate, "num_train_epochs": args.epochs, "max_steps": args.max_steps,
+        "max_grad_norm": args.max_grad_norm, "learning_rate": 1e-3, "logging_steps": args.logging_steps,
+        "save_strategy": "steps" if args.save_steps else "no", "save_steps": args.save_steps or 500,
+        "report_to": "none", "disable_tqdm": True, "use_cpu": True, "seed": 0, "dataloader_num_workers": args.workers,
+        **json.loads(args.training_args),
+    })
     if args.bad == "deepspeed":
         # DeepSpeed is not installed here, so TrainingArguments cannot validate a DeepSpeed config itself; the
         # field is what the callback checks.
@@ -208,7 +213,9 @@ def main() -> None:
     dataset = Tokens(args.samples, args.seq, config.vocab_size)
     if args.stream:
         dataset = streaming(args.stream, dataset)
-    trainer = Trainer(model=model, args=training, train_dataset=dataset, optimizers=optimizers, callbacks=callbacks)
+    evaluation = Tokens(args.eval, args.seq, config.vocab_size) if args.eval else None
+    trainer = Trainer(model=model, args=training, train_dataset=dataset, eval_dataset=evaluation,
+                      optimizers=optimizers, callbacks=callbacks)
     if args.add_late:
         trainer.add_callback(elastic)
     if ctx is not None and not ctx.initial and args.pause_at >= 0:
