@@ -161,7 +161,7 @@ def test_the_last_holder_dying_mid_heal_stops_the_run_naming_the_newest_save_ste
     run = hf_run().start("--replicas", "2", "--min-replicas", "1",
                          "--fault", "sigkill:replica=1:step=6,sigkill:replica=0:at=heal_donor:step=1", script_args=(
                              "--replicas", "2", "--samples", "96", "--epochs", "3", "--save-steps", "4",
-                             "--step-sleep", "0.05"))
+                             "--step-sleep", "0.2"))  # 30 steps after the kill: time for the replacement to start
     assert run.wait(timeout=200) == 1, run.output
     saved = sorted((run.out / "hf").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     assert saved, "no save_steps checkpoint was written before the holder died"
@@ -469,7 +469,7 @@ def test_sigterm_drains_a_replica_and_sigterm_to_monarch_run_stops_with_an_hf_ch
     joins. SIGTERM to monarch-run, HF's controller here: status 143 after the main replica wrote HF's checkpoint of
     the last committed step; train(resume_from_checkpoint=...) ends where a run never stopped ends."""
     common = ("--optimizer", "hf", "--batch", "4", "--accumulate", "2", "--samples", "96", "--epochs", "3")
-    run = hf_run().start("--replicas", "3", script_args=(*common, "--step-sleep", "0.2"))
+    run = hf_run().start("--replicas", "3", script_args=(*common, "--step-sleep", "0.6"))  # time for a replacement
     clean = hf_run().start("--replicas", "3", script_args=common)
     run.wait_for(lambda: run.progress(0) >= 2, timeout=150, what="step 2")
     os.kill(run.pids()[1][0], signal.SIGTERM)
