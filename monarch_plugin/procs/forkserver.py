@@ -21,8 +21,8 @@ Rules it keeps:
 - Lifetimes: the server ends with the process that started it (a pidfd in its loop; it SIGKILLs its children
   as it goes), a child is SIGKILLed when the server goes (PR_SET_PDEATHSIG, which reaches a stopped process too)
   and when its client goes (a pidfd watched by a thread). The server is its children's subreaper: what a dead
-  proc leaves (DataLoader workers, which under Monarch's bootstrap start from multiprocessing's forkserver and
-  watch only it) becomes the server's, which ends it. No process outlives its replica or the controller's process.
+  proc leaves (e.g. a process the training code started from multiprocessing's forkserver, which watches only
+  that forkserver) becomes the server's, which ends it. No process outlives its replica or the controller's process.
 - A child gets what a fresh interpreter would have: the client's environment, directory, `PYTHONPATH` entries
   and process group, fresh random seeds; only the imported modules are shared (copy-on-write).
 - CUDA is never touched in the server; on a GPU build it is off by default all the same (`ElasticConfig
@@ -212,9 +212,8 @@ def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
         parent = os.pidfd_open(os.getppid())
     except ProcessLookupError:
         return
-    # What a proc leaves behind when it dies (its DataLoader workers, and multiprocessing's forkserver that Monarch's
-    # bootstrap makes their start method, whose workers watch only that forkserver) becomes the server's: ended in
-    # `_reap`, never left running.
+    # What a proc leaves behind when it dies (a child of multiprocessing's forkserver watches only that forkserver,
+    # never the proc) becomes the server's: ended in `_reap`, never left running.
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for module in preload:
         __import__(module)
