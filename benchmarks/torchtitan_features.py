@@ -1,0 +1,187 @@
+"""torchtitan's own integration flag sets under `--monarch.enable`, each with a replica SIGKILLed, or refused.
+
+    python benchmarks/torchtitan_features.py [PATH/TO/torchtitan_recipes/tests/features.py] [--only tp2,compile]
+
+PATH is the `features` list of torchtitan's integration tests at the installed version (torchtitan 0.3.0 ships it
+as `torchtitan_recipes/tests/features.py`, the default): one config function per test, each a full
+`Trainer.Config` written for GPUs. Each is made to run on this machine as this repo's `llama3_debugmodel_cpu` is
+(the tokenizer and corpus under `recipes/data/torchtitan`, local batch 2, sequences of 128, float32; its
+parallelism, checkpoint, compile and other settings kept, its accumulation steps too), with `--monarch.enable`: 2
+replicas of 1 proc each (the sets pick the `spmd_types` backend, which cannot shard a replica over procs with
+torch 2.13's FSDP: a set that shards explicitly is refused), `--monarch.min_replicas 1`, and replica 1
+SIGKILLing itself at step 4 of 12 (`--monarch.fault`, a real SIGKILL). A `*_load` set resumes its `*_save` set's
+checkpoint at step 12 and trains to 20, the kill at 16. A set *survives* when the run exits 0 with that death, a
+replacement healed from the survivor, and every replica's last logged loss equal; it is *refused* when the front
+end stops it before anything is spawned, with the reason it gives. This module is also the `--module` of the
+runs: `--config <name>` is torchtitan's function of that name, converted (`__getattr__`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FEATURES_ENV = "MONARCH_PLUGIN_TORCHTITAN_FEATURES"
+ROOT_ENV = "MONARCH_PLUGIN_TORCHTITAN_ROOT"
+STEPS, KILL_AT = 12, 4
+
+
+def _features(path: str):
+    """torchtitan's features module, loaded from `path` as the package it belongs to (it imports `from . import`)."""
+    import torchtitan_recipes.tests  # noqa: F401 - the package its relative imports resolve in
+
+    spec = importlib.util.spec_from_file_location("torchtitan_recipes.tests.features", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _default_path() -> str:
+    import torchtitan_recipes.tests
+
+    return str(Path(torchtitan_recipes.tests.__file__).parent / "features.py")
+
+
+def _loads(name: str) -> str | None:
+    """The set whose checkpoint a `*_load` set resumes (torchtitan's runner runs them one after the other)."""
+    return name[: -len("_load")] + "_save" if name.endswith("_load") else None
+
+
+def elastic(name: str, base, root: Path):
+    """`base` (torchtitan's `Trainer.Config` of set `name`) made to run here, with `--monarch.enable` and a kill;
+    its dump folder is `root/name` (a `*_load` set's is its `*_save` set's, whose checkpoint it resumes at step
+    `STEPS`, then trains 8 steps more with the kill 4 steps in)."""
+    from monarch_plugin.integrations.torchtitan.config import MonarchConfig
+    from monarch_plugin.integrations.torchtitan.config_registry import llama3_debugmodel_cpu
+    from monarch_plugin.integrations.torchtitan.trainer import MonarchTrainer
+
+    cpu, saved = llama3_debugmodel_cpu(), _loads(name)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
+    # The sets are written for GPUs: `global_batch_size` over 2 of them asks for accumulation steps, kept here.
+    accumulate = max(1, base.training.global_batch_size // (2 * base.training.local_batch_size))
+    shard = base.parallelism.data_parallel_shard_degree
+    procs = 1 if shard in (1, -1) else 2  # the sets' spmd_types backend cannot shard a replica (refused)
+    training = dataclasses.replace(base.training, local_batch_size=2, seq_len=128, steps=STEPS + 8 * bool(saved),
+                                   mixed_precision_param="float32",
+                                   global_batch_size=2 * 2 * procs * accumulate if accumulate > 1 else -1)
+    parallelism = dataclasses.replace(base.parallelism, data_parallel_shard_degree=-1 if shard == -1 else procs)
+    checkpoint = base.checkpoint
+    if base.checkpoint.initial_load_path:  # it points into torchtitan's runner's output: the save set's here
+        checkpoint = dataclasses.replace(checkpoint, initial_load_path=str(
+            root / saved / base.checkpoint.folder / f"step-{STEPS}"))
+    return MonarchTrainer.Config(**{
+        **fields, "hf_assets_path": cpu.hf_assets_path, "dump_folder": str(root / (saved or name)),
+        "training": training, "parallelism": parallelism, "checkpoint": checkpoint,
+        "dataloader": cpu.dataloader if type(base.dataloader) is type(cpu.dataloader) else base.dataloader,
+        "monarch": MonarchConfig(enable=True, replicas=2, min_replicas=1, procs_per_replica=procs,
+                                 fault=f"sigkill:replica=1:step={KILL_AT + STEPS * bool(saved)}",
+                                 join_timeout_s=600),
+    })
+
+
+def __getattr__(name: str):
+    """`--config <name>`: torchtitan's config function of that name, converted by `elastic`."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    module = _features(os.environ[FEATURES_ENV])
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise AttributeError(name)
+
+    def converted():
+        return elastic(name, fn(), Path(os.environ.get(ROOT_ENV, "runs/torchtitan_features")))
+
+    return converted
+
+
+def _losses(text: str) -> dict[str, float]:
+    """Each replica's last logged loss, from torchtitan's `step: N loss: X` lines (`[replica R]` prefixed)."""
+    last: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.search(r"(replica\d+)\S*.*step:\s*(\d+)\s+loss:\s*([0-9.]+)", line)
+        if m:
+            last[m.group(1)] = float(m.group(3))
+    return last
+
+
+def _run(name: str, path: str, root: Path) -> str:
+    from monarch_plugin.events import read_events
+    from monarch_plugin.integrations.torchtitan.config import validate
+
+    module = _features(path)
+    try:
+        validate(elastic(name, getattr(module, name)(), root))
+    except ImportError as e:
+        return f"not run: {str(e).splitlines()[0]}"
+    except ValueError as e:  # the front end's refusal
+        return f"refused: {str(e).splitlines()[0]}"
+    out = root / f"{name}.run"
+    out.mkdir(parents=True, exist_ok=True)
+    events = out / "monarch_events.jsonl"
+    env = {**os.environ, FEATURES_ENV: path, ROOT_ENV: str(root),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torchtitan.train", "--module", "torchtitan_features", "--config", name,
+           "--monarch.events_path", str(events)]
+    with open(out / "run.log", "w") as log:
+        try:
+            rc = subprocess.call(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+        except subprocess.TimeoutExpired:
+            return f"FAILED: no end within 900 s, see {out / 'run.log'}"
+    text = (out / "run.log").read_text()
+    if rc != 0:
+        error = [line for line in text.splitlines() if "Error" in line or "error:" in line]
+        return f"FAILED: exit {rc}: {error[-1].strip()[:200] if error else 'see ' + str(out / 'run.log')}"
+    found = read_events(str(events))
+    deaths = [e for e in found if e["event"] == "death"]
+    heals = [e for e in found if e["event"] == "heal" and any(r >= 2 for r in e.get("recipients", []))]
+    losses = _losses(text)
+    problems = []
+    if [d["replica"] for d in deaths] != [1]:
+        problems.append(f"deaths {[d['replica'] for d in deaths]}, not replica 1's")
+    if not heals:
+        problems.append("no replacement was healed")
+    if len(set(losses.values())) != 1:
+        problems.append(f"last losses differ: {losses}")
+    if problems:
+        return "FAILED: " + "; ".join(problems)
+    return f"survived: replica 1 killed, a replacement healed, the same last loss on all ({next(iter(losses.values()))})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("path", nargs="?", default=None, help="torchtitan's integration features list (features.py)")
+    p.add_argument("--only", default=None, help="comma-separated words picking sets by name")
+    p.add_argument("--out", type=Path, default=Path("runs/torchtitan_features"))
+    args = p.parse_args()
+    import torchtitan
+
+    path = str(Path(args.path or _default_path()).resolve())
+    module = _features(path)
+    names = [n for n, f in vars(module).items() if callable(f) and getattr(f, "__module__", "") == module.__name__
+             and not n.startswith("_")]
+    if args.only:
+        names = [n for n in names if any(w in n for w in args.only.split(","))]
+    rows = []
+    for name in names:
+        t0 = time.monotonic()
+        outcome = _run(name, path, args.out.resolve())
+        rows.append((name, outcome))
+        print(f"{name}: {outcome} ({time.monotonic() - t0:.0f} s)", flush=True)
+    print(f"\ntorchtitan {torchtitan.__version__ if hasattr(torchtitan, '__version__') else ''} ({path})\n")
+    print("| flag set | outcome |\n|---|---|")
+    for name, outcome in rows:
+        print(f"| `{name}` | {outcome} |")
+    (args.out / "results.json").write_text(json.dumps(dict(rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
