@@ -5,15 +5,19 @@
 PATH is the `features` list of torchtitan's integration tests at the installed version (torchtitan 0.3.0 ships it
 as `torchtitan_recipes/tests/features.py`, the default): one config function per test, each a full
 `Trainer.Config` written for GPUs. Each is made to run on this machine as this repo's `llama3_debugmodel_cpu` is
-(the tokenizer and corpus under `recipes/data/torchtitan`, local batch 2, sequences of 128, float32; its
+(the tokenizer and corpus under `recipes/data/torchtitan`, local batch 2, sequences of 128, float32, spmd_types'
+type checking off: on torch 2.13 it rejects FSDP's own autograd function with or without the plugin; its
 parallelism, checkpoint, compile and other settings kept, its accumulation steps too), with `--monarch.enable`: 2
 replicas of 1 proc each (the sets pick the `spmd_types` backend, which cannot shard a replica over procs with
 torch 2.13's FSDP: a set that shards explicitly is refused), `--monarch.min_replicas 1`, and replica 1
 SIGKILLing itself at step 4 of 12 (`--monarch.fault`, a real SIGKILL). A `*_load` set resumes its `*_save` set's
-checkpoint at step 12 and trains to 20, the kill at 16. A set *survives* when the run exits 0 with that death, a
-replacement healed from the survivor, and every replica's last logged loss equal; it is *refused* when the front
-end stops it before anything is spawned, with the reason it gives. This module is also the `--module` of the
-runs: `--config <name>` is torchtitan's function of that name, converted (`__getattr__`).
+checkpoint at step 12 and trains to 20, the kill at 16 (one that loads only the model starts again at step 1).
+A set *survives* when the run exits 0 with that death, a replacement healed from the survivor, the first step
+committed where it should be, and the last logged loss of every replica that finished equal; it is *refused*
+when the front end stops it before anything is spawned, with the reason it gives. A set whose elastic run fails
+is run again without the plugin (torchrun, 1 proc): when that fails too, it is a set this machine cannot run.
+This module is also the runs' `--module`: `--config <name>` is torchtitan's function of that name, converted
+(`__getattr__`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -74,13 +79,16 @@ def elastic(name: str, base, root: Path):
                                    mixed_precision_param="float32",
                                    global_batch_size=2 * 2 * procs * accumulate if accumulate > 1 else -1)
     parallelism = dataclasses.replace(base.parallelism, data_parallel_shard_degree=-1 if shard == -1 else procs)
+    # spmd_types' type checking rejects FSDP's own RegisterPostBackwardFunction on torch 2.13, with or without
+    # the plugin (torchrun, 1 proc): a checking aid, off here so that the set's training features run.
+    debug = dataclasses.replace(base.debug, spmd_typechecking=False)
     checkpoint = base.checkpoint
-    if base.checkpoint.initial_load_path:  # it points into torchtitan's runner's output: the save set's here
-        checkpoint = dataclasses.replace(checkpoint, initial_load_path=str(
-            root / saved / base.checkpoint.folder / f"step-{STEPS}"))
+    if base.checkpoint.initial_load_path:  # into torchtitan's runner's output (`.../<folder>/step-10/`): the
+        folder = Path(base.checkpoint.initial_load_path.rstrip("/")).parent.name  # save set's, here
+        checkpoint = dataclasses.replace(checkpoint, initial_load_path=str(root / saved / folder / f"step-{STEPS}"))
     return MonarchTrainer.Config(**{
         **fields, "hf_assets_path": cpu.hf_assets_path, "dump_folder": str(root / (saved or name)),
-        "training": training, "parallelism": parallelism, "checkpoint": checkpoint,
+        "training": training, "parallelism": parallelism, "debug": debug, "checkpoint": checkpoint,
         "dataloader": cpu.dataloader if type(base.dataloader) is type(cpu.dataloader) else base.dataloader,
         "monarch": MonarchConfig(enable=True, replicas=2, min_replicas=1, procs_per_replica=procs,
                                  fault=f"sigkill:replica=1:step={KILL_AT + STEPS * bool(saved)}",
@@ -106,11 +114,31 @@ def __getattr__(name: str):
 def _losses(text: str) -> dict[str, float]:
     """Each replica's last logged loss, from torchtitan's `step: N loss: X` lines (`[replica R]` prefixed)."""
     last: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.search(r"(replica\d+)\S*.*step:\s*(\d+)\s+loss:\s*([0-9.]+)", line)
+    for line in re.sub(r"\x1b\[[0-9;]*m", "", text).splitlines():  # its metrics lines are coloured
+        m = re.search(r"\br(\d+)_replica\b.*step:\s*(\d+)\s+loss:\s*([0-9.]+)", line)
         if m:
-            last[m.group(1)] = float(m.group(3))
+            last[f"replica {m.group(1)}"] = float(m.group(3))
     return last
+
+
+def _error(text: str) -> str | None:
+    """The last line of `text` naming an error, shortened."""
+    error = [line for line in text.splitlines() if "Error" in line or "error:" in line]
+    return error[-1].strip()[:200] if error else None
+
+
+def _plain(name: str, env: dict, root: Path) -> str | None:
+    """Set `name` without the plugin (`--monarch.no-enable`, torchrun with 1 proc): None when it trains, else its
+    error, which tells a set this machine's torch cannot run from one the plugin breaks."""
+    out = root / f"{name}.plain"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "torchtitan.train",
+           "--module", "torchtitan_features", "--config", name, "--monarch.no-enable",
+           "--dump_folder", str(out)]
+    with open(out / "run.log", "w") as log:
+        rc = subprocess.call(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    return None if rc == 0 else (_error((out / "run.log").read_text()) or f"exit {rc}")
 
 
 def _run(name: str, path: str, root: Path) -> str:
@@ -119,13 +147,17 @@ def _run(name: str, path: str, root: Path) -> str:
 
     module = _features(path)
     try:
-        validate(elastic(name, getattr(module, name)(), root))
+        config = elastic(name, getattr(module, name)(), root)
+        validate(config)
     except ImportError as e:
         return f"not run: {str(e).splitlines()[0]}"
     except ValueError as e:  # the front end's refusal
         return f"refused: {str(e).splitlines()[0]}"
+    if not _loads(name):  # a set's own run starts from nothing (a load set resumes its save set's folder)
+        shutil.rmtree(root / name, ignore_errors=True)
     out = root / f"{name}.run"
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     events = out / "monarch_events.jsonl"
     env = {**os.environ, FEATURES_ENV: path, ROOT_ENV: str(root),
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
@@ -138,22 +170,33 @@ def _run(name: str, path: str, root: Path) -> str:
             return f"FAILED: no end within 900 s, see {out / 'run.log'}"
     text = (out / "run.log").read_text()
     if rc != 0:
-        error = [line for line in text.splitlines() if "Error" in line or "error:" in line]
-        return f"FAILED: exit {rc}: {error[-1].strip()[:200] if error else 'see ' + str(out / 'run.log')}"
+        plain = _plain(name, env, root)
+        if plain is not None:
+            return f"fails without the plugin too (torchrun, 1 proc): {plain}"
+        return f"FAILED: exit {rc}: {_error(text) or 'see ' + str(out / 'run.log')}"
     found = read_events(str(events))
     deaths = [e for e in found if e["event"] == "death"]
     heals = [e for e in found if e["event"] == "heal" and any(r >= 2 for r in e.get("recipients", []))]
-    losses = _losses(text)
+    finished = {f"replica {e['replica']}" for e in found if e["event"] == "finished"}
+    losses = {r: loss for r, loss in _losses(text).items() if r in finished}
     problems = []
     if [d["replica"] for d in deaths] != [1]:
         problems.append(f"deaths {[d['replica'] for d in deaths]}, not replica 1's")
     if not heals:
         problems.append("no replacement was healed")
-    if len(set(losses.values())) != 1:
+    # A `*_load` set resumes the save set's step, unless it loads only the model (its steps then start at 1).
+    resumes = _loads(name) and not (config.checkpoint.initial_load_path and config.checkpoint.initial_load_model_only)
+    first = min((e["step"] for e in found if e["event"] == "first_commit"), default=None)
+    if first != 1 + STEPS * bool(resumes):
+        problems.append(f"first committed step {first}, not {1 + STEPS * bool(resumes)}")
+    if len(set(losses.values())) != 1:  # (a replacement healed at the last step has no step left to log)
         problems.append(f"last losses differ: {losses}")
     if problems:
         return "FAILED: " + "; ".join(problems)
-    return f"survived: replica 1 killed, a replacement healed, the same last loss on all ({next(iter(losses.values()))})"
+    resumed = (f", resumed after step {STEPS}" if resumes else
+               f", its model loaded from step {STEPS}" if _loads(name) else "")
+    return (f"survived: replica 1 killed, a replacement healed at step {heals[-1]['step']}{resumed}, the same last "
+            f"loss on all ({next(iter(losses.values()))})")
 
 
 def main() -> None:
