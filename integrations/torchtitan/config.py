@@ -32,6 +32,10 @@ OWNED = {"checkpoint_dir": "`--checkpoint.folder` under `--dump_folder`"}
 """The settings torchtitan's own sections give. The `monarch` section has every other field of
 `front_end_fields`, as `--monarch.<field>`; `LOOP_ONLY` are not torchtitan's (its checkpoints are `--checkpoint.*`)."""
 
+STRUCTURED_LOGS_ENV = "TITAN_STRUCT_LOGGER_HANDLERS"
+"""torchtitan's hook naming the handlers of its structured trace log; set for the replicas (unless the job sets
+it) to `trainer.replica_structured_logs`, which keeps each replica's files in a folder of its own."""
+
 ENABLE = ("Train elastically under PyTorch Monarch: the launching process becomes the controller and spawns "
           "`replicas` replicas of `procs_per_replica` procs each (one FSDP group per replica). A SIGKILLed worker "
           "costs the survivors the step in flight; its replica is replaced and healed from a live one. Off: "
@@ -87,6 +91,9 @@ def elastic_config(config: "MonarchTrainer.Config") -> ElasticConfig:
     monarch = config.monarch
     settings = {f.name: getattr(monarch, f.name) for f in front_end_fields(tuple(OWNED))}
     settings["events_path"] = monarch.events_path or os.path.join(config.dump_folder, "monarch_events.jsonl")
+    if STRUCTURED_LOGS_ENV not in os.environ:  # a job that names its own handlers keeps them
+        settings["env"] = {STRUCTURED_LOGS_ENV: "monarch_plugin.integrations.torchtitan.trainer.replica_structured_logs",
+                           **settings.get("env", {})}
     return ElasticConfig(**settings, checkpoint_dir=os.path.join(config.dump_folder, config.checkpoint.folder))
 
 

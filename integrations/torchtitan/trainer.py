@@ -319,6 +319,16 @@ def _per_replica_outputs(config: MonarchTrainer.Config, replica_id: int) -> None
     config.profiler.save_memory_snapshot_folder = os.path.join(config.profiler.save_memory_snapshot_folder, leaf)
 
 
+def replica_structured_logs(*, structured_logger, rank: int, source: str, output_dir: str) -> None:
+    """torchtitan's structured trace log in a replica (its `TITAN_STRUCT_LOGGER_HANDLERS` hook, named for the
+    replicas by `config.elastic_config`): torchtitan's own JSONL handler, writing under `replica_<id>/` of the
+    dump folder, since its file names carry the replica-local rank, the same in every replica."""
+    from torchtitan.observability.structured_logger.jsonl_handler import register_jsonl_handler
+
+    folder = os.path.join(output_dir, f"replica_{_context.current().replica_id}")
+    register_jsonl_handler(structured_logger=structured_logger, rank=rank, source=source, output_dir=folder)
+
+
 def _check_launch(config: MonarchTrainer.Config, ctx) -> None:
     if ctx is None:
         raise RuntimeError(

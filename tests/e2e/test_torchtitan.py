@@ -155,6 +155,13 @@ def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run
     for replica in (0, 1):
         assert len(list((reference.out / "tb" / f"replica_{replica}").rglob("events.out.tfevents.*"))) == 1
     assert not list((reference.out / "tb").glob("*/events.out.tfevents.*"))  # none outside a replica folder
+    # So does each replica's structured trace log (its files named by the replica-local rank); the launching
+    # process writes its own where torchtitan puts it.
+    logs = sorted(re.sub(r"\.\d{8}-\d{6}-\w{6}\.jsonl$", "", p.relative_to(reference.out).as_posix())
+                  for p in reference.out.rglob("structured_logs/*.jsonl"))
+    assert logs == ["replica_0/structured_logs/training.global_rank_0", "replica_0/structured_logs/training.global_rank_1",
+                    "replica_1/structured_logs/training.global_rank_0", "replica_1/structured_logs/training.global_rank_1",
+                    "structured_logs/training.global_rank_0"], logs
 
     # No orphans: every worker process the runs spawned is gone.
     for replica_pids in [*run.pids().values(), *reference.pids().values()]:
