@@ -92,8 +92,8 @@ def elastic_config(config: "MonarchTrainer.Config") -> ElasticConfig:
     settings = {f.name: getattr(monarch, f.name) for f in front_end_fields(tuple(OWNED))}
     settings["events_path"] = monarch.events_path or os.path.join(config.dump_folder, "monarch_events.jsonl")
     if STRUCTURED_LOGS_ENV not in os.environ:  # a job that names its own handlers keeps them
-        settings["env"] = {STRUCTURED_LOGS_ENV: "monarch_plugin.integrations.torchtitan.trainer.replica_structured_logs",
-                           **settings.get("env", {})}
+        handler = "monarch_plugin.integrations.torchtitan.trainer.replica_structured_logs"
+        settings["env"] = {STRUCTURED_LOGS_ENV: handler, **settings.get("env", {})}
     return ElasticConfig(**settings, checkpoint_dir=os.path.join(config.dump_folder, config.checkpoint.folder))
 
 

@@ -159,8 +159,7 @@ def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run
     # process writes its own where torchtitan puts it.
     logs = sorted(re.sub(r"\.\d{8}-\d{6}-\w{6}\.jsonl$", "", p.relative_to(reference.out).as_posix())
                   for p in reference.out.rglob("structured_logs/*.jsonl"))
-    assert logs == ["replica_0/structured_logs/training.global_rank_0", "replica_0/structured_logs/training.global_rank_1",
-                    "replica_1/structured_logs/training.global_rank_0", "replica_1/structured_logs/training.global_rank_1",
+    assert logs == [*(f"replica_{r}/structured_logs/training.global_rank_{k}" for r in (0, 1) for k in (0, 1)),
                     "structured_logs/training.global_rank_0"], logs
 
     # No orphans: every worker process the runs spawned is gone.
