@@ -187,7 +187,8 @@ def plugin(argv: list[str] | None = None) -> int:
     """`monarch-plugin`."""
     parser = argparse.ArgumentParser(
         prog="monarch-plugin",
-        description="A Monarch host agent for multi-host runs, and a finished run's events read back.")
+        description="A Monarch host agent for multi-host runs, its hosts checked before a run, and a finished "
+                    "run's events read back.")
     commands = parser.add_subparsers(dest="command", required=True)
     host = commands.add_parser("host", help="run this machine's Monarch host agent for multi-host runs")
     host.add_argument("--address", metavar="tcp://IP:PORT",
@@ -205,6 +206,21 @@ def plugin(argv: list[str] | None = None) -> int:
         description="Write a new random token to PATH, readable by this user only (0600); an existing token file is "
                     "kept as it is. `-`: print one instead (to store as a Kubernetes secret).")
     token.add_argument("path", metavar="PATH", help="the token file (`-`: print a token on stdout)")
+    doctor = commands.add_parser(
+        "doctor", help="check a multi-host job's hosts before a run: one row per host, each problem with its fix",
+        description="Attach to each host's agent and compare its machine with this one: reachable, Python and "
+                    "package versions, the paths a run needs, clock, the store's port, backend and GPUs, the "
+                    "interface. Exit status 1 on any error.")
+    doctor.add_argument("--hosts", metavar="tcp://IP:PORT,...", help="the agents' addresses, as `monarch-run --hosts`")
+    doctor.add_argument("--hosts-file", metavar="PATH", help="the agents' hosts file, as `monarch-run --hosts-file`")
+    doctor.add_argument("--token-file", metavar="PATH", help="the job's token, as `monarch-run --token-file`")
+    doctor.add_argument("--store-host", metavar="IP",
+                        help="this machine's address on the hosts' network (default: the one routing to the first)")
+    doctor.add_argument("--script", metavar="PATH", help="the training script: every host must see it at this path")
+    doctor.add_argument("--dir", metavar="DIR", action="append",
+                        help="a directory every host must see (working, events, checkpoint directory); repeatable. "
+                             "Default, without --script: the working directory")
+    doctor.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS", help="per host (default 30)")
     summary = commands.add_parser("summary", help="print a run's failures as a table, with its totals and goodput")
     summary.add_argument("events", metavar="EVENTS.jsonl", help="the run's events file")
     timeline = commands.add_parser("timeline", help="draw a run over time: replicas, steps/s, failures, recoveries")
@@ -220,6 +236,10 @@ def plugin(argv: list[str] | None = None) -> int:
         return _timeline(ns)
     if ns.command == "token":
         return _token(ns.path)
+    if ns.command == "doctor":
+        from monarch_plugin.doctor import main as doctor
+
+        return doctor(ns)
     from monarch_plugin.procs.agent import serve
 
     return serve(ns.address, ns.hosts_file, ns.token_file)

@@ -197,3 +197,19 @@ def front_end_runs(tmp_path: Path, framework: str, module: str, cls: str):
 @pytest.fixture
 def elastic_run(tmp_path):
     yield from run_factory(tmp_path, ElasticRun)
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Network-namespace hosts (`netns.NetnsHosts`), made by `hosts(count)`; all removed after the test."""
+    import netns
+
+    made: list = []
+
+    def make(count: int, token: bool = False):
+        made.append(netns.NetnsHosts(count, tmp_path / f"hosts{len(made)}", token=token))
+        return made[-1]
+
+    yield make
+    for net in made:
+        net.close()

@@ -92,16 +92,21 @@ class NetnsHosts:
     def address(self, i: int) -> str:
         return f"tcp://{self.ip(i)}:{self.ports[i]}"
 
-    def start_agent(self, i: int, port: int = AGENT_PORT) -> str:
-        """Start host i's agent (on `port`), which adds itself to `hosts_file` once listening; its address."""
+    def start_agent(self, i: int, port: int = AGENT_PORT, env: dict[str, str] | None = None,
+                    hide: Path | None = None) -> str:
+        """Start host i's agent (on `port`), which adds itself to `hosts_file` once listening; its address. `env`:
+        variables added to its environment; `hide`: a directory this host does not see (an empty tmpfs over it, in
+        a mount namespace of the agent's own), as a machine without the shared filesystem."""
         self.ports[i] = port
         log = open(self.tmp / f"agent{i}-{port}.log", "w")
-        self.agents[i] = subprocess.Popen(
-            ["ip", "netns", "exec", self.names[i], sys.executable, "-m", "monarch_plugin.procs.agent", "host",
-             "--address", f"tcp://{self.ip(i)}:{port}", "--hosts-file", str(self.hosts_file),
-             *(["--token-file", str(self.token_file)] if self.token_file else [])],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        token = ["--token-file", str(self.token_file)] if self.token_file else []
+        agent = [sys.executable, "-m", "monarch_plugin.procs.agent", "host", "--address", f"tcp://{self.ip(i)}:{port}",
+                 "--hosts-file", str(self.hosts_file), *token]
+        if hide is not None:
+            agent = ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *agent]
+        self.agents[i] = subprocess.Popen(["ip", "netns", "exec", self.names[i], *agent], stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True,
+                                          env={**os.environ, **(env or {})})
         return self.address(i)
 
     def start_agents(self) -> None:

@@ -32,19 +32,6 @@ STEPS = EPOCHS * -(-SAMPLES // BATCH)
 STEPS_14 = 14 * -(-SAMPLES // BATCH)
 
 
-@pytest.fixture
-def hosts(tmp_path):
-    made: list[netns.NetnsHosts] = []
-
-    def make(count: int, token: bool = False) -> netns.NetnsHosts:
-        made.append(netns.NetnsHosts(count, tmp_path / f"hosts{len(made)}", token=token))
-        return made[-1]
-
-    yield make
-    for net in made:
-        net.close()
-
-
 def _lose_host_and_bring_it_back(run, net: netns.NetnsHosts, i: int) -> None:
     """SIGKILL every process of host i (a dead machine), wait until the run declares it lost, and start its agent
     again on a new port (Monarch will not attach the lost address again)."""

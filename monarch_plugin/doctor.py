@@ -1,0 +1,313 @@
+"""`monarch-plugin doctor`: the hosts of a multi-host job checked before a run, one row per host.
+
+    monarch-plugin doctor --hosts tcp://10.0.0.2:26600,tcp://10.0.0.3:26600 [--script train.py] [--dir DIR ...]
+    monarch-plugin doctor --hosts-file /shared/run1/hosts [--token-file /shared/run1/token]
+
+A multi-node run otherwise fails late and far from the cause: a host that lacks the script's path, runs another
+torch, has its clock far off, cannot reach the controller's store, or has its GPUs held by another job. The doctor
+attaches to each host's agent (`monarch-plugin host`) as a run would, spawns one proc there that reports on its
+machine (`report`, run on the host), and compares each report with this machine's (`findings`, pure). Each finding
+is an error (a run would fail, or train wrongly) or a warning, and names its fix; the exit status is 1 on any
+error, 0 otherwise. The store check listens on `store_host` (this machine's address on the job's network, as a
+run's store does) for the doctor's time only, and each host connects to it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from monarch.actor import Actor, endpoint
+
+__all__ = ["Finding", "HostCheck", "Probe", "check_hosts", "findings", "format_table", "ifname_allows", "report"]
+
+PACKAGES = ("torch", "torchmonarch", "monarch-plugin", "lightning", "transformers", "torchtitan")
+"""The distributions whose versions must match the controller's on every host (those installed on either)."""
+
+CLOCK_WARN_S = 1.0
+"""A host's clock this far from the controller's: the run works (it times nothing across machines), but the
+events' and logs' timestamps of different hosts no longer line up."""
+
+IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str
+    """`error`: a run would fail or train wrongly on this host; `warning`: it would run, with what is said."""
+    message: str
+    """What is wrong, and the fix."""
+
+
+@dataclass
+class HostCheck:
+    """One host's row: its address, what it reported (None: unreachable) and what is wrong with it."""
+
+    address: str
+    report: dict | None = None
+    offset_s: float | None = None
+    """The host's clock minus this machine's, halfway through the call that read it."""
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(f.severity == "error" for f in self.findings)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _source_address(ip: str) -> str | None:
+    """This machine's address on the interface that routes to `ip` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _interface_of(address: str | None) -> str | None:
+    """The name of the interface holding `address` (Linux: from the kernel's interface list), or None."""
+    if address is None:
+        return None
+    import fcntl
+    import struct
+
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(packed[20:24]) == address:
+                return name
+    return None
+
+
+def _gpus() -> list[dict]:
+    """Each visible GPU's name, memory and the memory other processes hold on it (`torch.cuda.mem_get_info`)."""
+    import torch
+
+    found = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        found.append({"name": torch.cuda.get_device_name(i), "total_gib": round(total / 2**30, 1),
+                      "used_gib": round((total - free) / 2**30, 1)})
+    return found
+
+
+def report(paths: list[str], store_host: str, store_port: int) -> dict:
+    """What this machine says of itself for the doctor (run on each host): versions, clock, which of `paths` it
+    does not see, whether the controller's store port answers, its backend and GPUs, and the interface it would
+    reach the controller by."""
+    import torch
+
+    from monarch_plugin.backend import accelerator_kind
+
+    try:
+        with socket.create_connection((store_host, store_port), timeout=3.0):
+            store = None
+    except OSError as e:
+        store = f"{type(e).__name__}: {e}"
+    kind = accelerator_kind()
+    source = _source_address(store_host)
+    return {
+        "hostname": socket.gethostname(), "python": platform.python_version(),
+        "packages": {name: _version(name) for name in PACKAGES},
+        "missing": [p for p in paths if not os.path.exists(p)], "store_error": store,
+        "kind": kind, "nccl": kind != "cpu" and torch.distributed.is_nccl_available(),
+        "gpus": _gpus() if kind != "cpu" else [],
+        "source": source, "interface": _interface_of(source),
+        "ifnames": {name: os.environ[name] for name in IFNAME_VARS if name in os.environ},
+    }
+
+
+def findings(local: dict, remote: dict, offset_s: float, store: str) -> list[Finding]:
+    """What is wrong with a host, from its `report` against this machine's (`local`): pure, so each rule is tested
+    alone. `store` is the address:port the host was asked to reach."""
+    out = []
+    for name in remote["missing"]:
+        out.append(Finding("error", f"{name} not found there: the script, working directory, events and checkpoint "
+                                    "directories must be at the same paths on every host (mount the shared "
+                                    "filesystem there)"))
+    if remote["python"].rsplit(".", 1)[0] != local["python"].rsplit(".", 1)[0]:
+        out.append(Finding("error", f"Python {remote['python']} there, {local['python']} here: the controller "
+                                    "sends pickled code and state; install the same Python minor version"))
+    for name in PACKAGES:
+        mine, theirs = local["packages"].get(name), remote["packages"].get(name)
+        if mine != theirs and (mine or theirs):
+            fix = f"install {name}=={mine} there" if mine else f"uninstall {name} there"
+            out.append(Finding("error", f"{name} {theirs or 'missing'} there, {mine or 'missing'} here: {fix}"))
+    if remote["store_error"]:
+        out.append(Finding("error", f"the controller's store port ({store}) cannot be reached from there "
+                                    f"({remote['store_error']}): open this machine's TCP ports to the host (a "
+                                    "run's store takes a free port), or set `store_host` to an address it reaches"))
+    if abs(offset_s) > CLOCK_WARN_S:
+        out.append(Finding("warning", f"its clock is {offset_s:+.1f} s from this machine's: events and logs of "
+                                      "different hosts will not line up; run NTP/chrony there"))
+    if remote["kind"] != local["kind"]:
+        out.append(Finding("warning", f"{remote['kind']} there, {local['kind']} here: each worker resolves "
+                                      "`backend auto` for itself, so keep a run's hosts all GPU or all CPU"))
+    if remote["kind"] != "cpu" and not remote["nccl"]:
+        out.append(Finding("error", "its torch has no NCCL (RCCL on ROCm): install a CUDA or ROCm build of torch"))
+    busy = [f"GPU {i} ({g['used_gib']} of {g['total_gib']} GiB)" for i, g in enumerate(remote["gpus"])
+            if g["used_gib"] > 0.1 * g["total_gib"]]
+    if busy:
+        out.append(Finding("warning", f"memory in use by other processes on {', '.join(busy)}: another job may hold "
+                                      "these GPUs; narrow the agent's CUDA_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES"))
+    for name, value in remote["ifnames"].items():
+        if remote["interface"] and not ifname_allows(value, remote["interface"]):
+            out.append(Finding("warning", f"{name}={value} there, but it reaches this machine by "
+                                          f"{remote['interface']}: set {name}={remote['interface']}, or unset it"))
+    return out
+
+
+def ifname_allows(value: str, interface: str) -> bool:
+    """Whether NCCL's/gloo's `*_SOCKET_IFNAME` value lets traffic use `interface`: a comma-separated list of name
+    prefixes, `=` before it for exact names, `^` to exclude those instead (NCCL's syntax)."""
+    exclude = value.startswith("^")
+    value = value.lstrip("^")
+    exact = value.startswith("=")
+    names = [v.strip() for v in value.lstrip("=").split(",") if v.strip()]
+    hit = any(interface == n if exact else interface.startswith(n) for n in names)
+    return hit != exclude
+
+
+class Probe(Actor):
+    """The doctor's one actor on a host: `report` of its machine."""
+
+    @endpoint
+    def report(self, paths: list[str], store_host: str, store_port: int) -> dict:
+        return report(paths, store_host, store_port)
+
+    @endpoint
+    def clock(self) -> float:
+        return time.time()
+
+
+def _offset(probe) -> float:
+    """The host's clock minus this machine's: the reading of the quickest of three calls, against its midpoint."""
+    samples = []
+    for _ in range(3):
+        t0 = time.time()
+        remote = probe.clock.call_one().get(timeout=10)
+        t1 = time.time()
+        samples.append((t1 - t0, remote - (t0 + t1) / 2))
+    return min(samples)[1]
+
+
+def _probe(index: int, check: HostCheck, paths: list[str], store_host: str, store_port: int, timeout: float,
+           local: dict) -> None:
+    from monarch.actor import attach_to_workers
+
+    try:
+        mesh = attach_to_workers(workers=[check.address], ca="trust_all_connections", name=f"doctor{index}")
+        mesh.initialized.get(timeout=timeout)
+        procs = mesh.spawn_procs(per_host={"procs": 1}, name=f"doctor{index}_procs")
+        probe = procs.spawn(f"doctor{index}", Probe)
+        check.report = probe.report.call_one(paths, store_host, store_port).get(timeout=timeout)
+        check.offset_s = _offset(probe)
+    except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is this host's finding
+        check.findings.append(Finding("error", f"unreachable ({type(e).__name__}): start `monarch-plugin host "
+                                               f"--address {check.address}` there, on the address this machine "
+                                               "reaches it by"))
+        return
+    check.findings.extend(findings(local, check.report, check.offset_s, f"{store_host}:{store_port}"))
+    try:
+        procs.stop().get(timeout=timeout)
+    except Exception:  # noqa: BLE001 - the agent ends what this controller started when it leaves anyway
+        pass
+
+
+def check_hosts(addresses: list[str], paths: list[str], store_host: str, timeout: float = 30.0) -> list[HostCheck]:
+    """Attach to every host at once and check it; a row per address, in their order."""
+    from monarch.actor import enable_transport
+
+    enable_transport(f"tcp://{store_host}:0")  # before any other Monarch call, as a run does
+    with socket.socket(socket.AF_INET6 if ":" in store_host else socket.AF_INET) as listener:
+        listener.bind((store_host, 0))  # where a run's store would listen, for the doctor's time only
+        listener.listen(64)
+        port = listener.getsockname()[1]
+        local = report(paths, store_host, port)
+        checks = [HostCheck(a) for a in addresses]
+        threads = [threading.Thread(target=_probe, args=(i, c, paths, store_host, port, timeout, local), daemon=True)
+                   for i, c in enumerate(checks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout + 30)
+    return checks
+
+
+def format_table(checks: list[HostCheck]) -> list[str]:
+    """One row per host (reachable, versions, clock, store, backend, interface), then each finding with its fix."""
+    head = ("host", "status", "hostname", "python", "torch", "torchmonarch", "clock", "store", "backend", "interface")
+    rows = [head]
+    for c in checks:
+        r = c.report
+        status = "ok" if not c.findings else ("ERROR" if not c.ok else "warning")
+        if r is None:
+            rows.append((c.address, status, *["-"] * (len(head) - 2)))
+            continue
+        backend = r["kind"] if r["kind"] == "cpu" else f"{r['kind']} x{len(r['gpus'])}"
+        rows.append((c.address, status, r["hostname"], r["python"], r["packages"]["torch"] or "missing",
+                     r["packages"]["torchmonarch"] or "missing", f"{c.offset_s:+.2f}s",
+                     "reached" if not r["store_error"] else "UNREACHABLE", backend,
+                     f"{r['interface'] or '?'} ({r['source']})"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    for c in checks:
+        lines += [f"{c.address}: {f.severity}: {f.message}" for f in c.findings]
+    return lines
+
+
+def main(ns) -> int:
+    """`monarch-plugin doctor`, from its parsed arguments."""
+    from monarch_plugin.admission import admit, check_hosts_file, read_token
+    from monarch_plugin.config import route_address
+    from monarch_plugin.errors import ConfigError
+
+    try:
+        addresses = [a for a in (ns.hosts or "").split(",") if a]
+        if ns.hosts_file:
+            check_hosts_file(ns.hosts_file)
+            token = read_token(ns.token_file) if ns.token_file else None
+            with open(ns.hosts_file) as f:
+                for line in f:
+                    line = line.split("#")[0].strip()
+                    address, why = admit(line, token) if line else (None, None)
+                    if why:
+                        print(f"monarch-plugin doctor: {ns.hosts_file}: {line!r} not admitted: {why}")
+                    elif address:
+                        addresses.append(address)
+        if not addresses:
+            raise ConfigError("no hosts to check: give `--hosts tcp://IP:PORT,...` or `--hosts-file PATH`", "hosts")
+        store_host = ns.store_host or route_address(addresses[0])
+    except (ConfigError, OSError) as e:
+        print(f"monarch-plugin doctor: error: {e}", file=sys.stderr)
+        return 2
+    paths = [os.path.abspath(p) for p in [*(ns.dir or []), *([ns.script] if ns.script else [])]] or [os.getcwd()]
+    missing_here = [p for p in paths if not os.path.exists(p)]
+    if missing_here:
+        print(f"monarch-plugin doctor: error: {', '.join(missing_here)} not found on this machine", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    checks = check_hosts(list(dict.fromkeys(addresses)), paths, store_host, ns.timeout)
+    print("\n".join(format_table(checks)))
+    bad = sum(not c.ok for c in checks)
+    print(f"monarch-plugin doctor: {len(checks)} host(s) checked in {time.monotonic() - t0:.1f} s from {store_host}: "
+          f"{bad} with errors" if bad else
+          f"monarch-plugin doctor: {len(checks)} host(s) checked in {time.monotonic() - t0:.1f} s from {store_host}: "
+          "no errors")
+    return 1 if bad else 0
