@@ -147,6 +147,12 @@ class ElasticConfig:
     down) is declared lost, with all its replicas, in one generation change. Monarch's own detection takes about
     60 s and never reaches the fault hook."""
 
+    preflight: bool = True
+    """Check each host as it is attached (with ``hosts``), as `monarch-plugin doctor` does (versions, paths, the
+    store's port, backend, clock, interface), log the table, and refuse a host with an error (a `host_refused`
+    event naming it and the fix); the run starts on the hosts that remain. Off: only a host that lacks the run's
+    paths is refused."""
+
     store_host: str | None = None
     """The address the controller listens on (its rendezvous store; with ``hosts``, also Monarch's transport);
     workers connect to it. Never a wildcard (0.0.0.0, ::). None: 127.0.0.1 on one machine; with ``hosts``, this

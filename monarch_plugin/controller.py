@@ -298,9 +298,12 @@ class ElasticController:
         room = sum(slots for slots, _ in self.hosts.rooms().values())
         wanted = self.config.replicas + self.config.spares
         if room < wanted:
+            gpus = f"{self.config.procs_per_replica} GPU(s) each, " if any(h.gpus for h in self.hosts.hosts) else ""
+            failed = "; ".join(f"{address}: {why}" for address, why in self.hosts.failures)
+            refused = f"; not used: {failed}" if failed else ""
             raise ConfigError(
-                f"the hosts hold {room} replica(s) at once ({self.config.procs_per_replica} GPU(s) each, "
-                f"`replicas_per_host` {self.config.replicas_per_host}) but the run starts {wanted} (`replicas` + "
+                f"the hosts hold {room} replica(s) at once ({gpus}`replicas_per_host` "
+                f"{self.config.replicas_per_host}{refused}) but the run starts {wanted} (`replicas` + "
                 "`spares`): add hosts, raise `replicas_per_host`, or start fewer", "replicas"
             )
 

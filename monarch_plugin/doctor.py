@@ -6,9 +6,10 @@
 A multi-node run otherwise fails late and far from the cause: a host that lacks the script's path, runs another
 torch, has its clock far off, cannot reach the controller's store, or has its GPUs held by another job. The doctor
 attaches to each host's agent (`monarch-plugin host`) as a run would, spawns one proc there that reports on its
-machine (`report`, run on the host), and compares each report with this machine's (`findings`, pure). Each finding
-is an error (a run would fail, or train wrongly) or a warning, and names its fix; the exit status is 1 on any
-error, 0 otherwise. The store check listens on `store_host` (this machine's address on the job's network, as a
+machine (`report`, run there by `procs.watcher.Probe`), and compares each report with this machine's
+(`findings`, pure). Each finding is an error (a run would fail, or train wrongly) or a warning, and names its fix;
+the exit status is 1 on any error, 0 otherwise. A run does the same as it attaches each host (`preflight`): its
+watcher is a `Probe` too. The store check listens on `store_host` (this machine's address on the job's network, as a
 run's store does) for the doctor's time only, and each host connects to it.
 """
 
@@ -23,9 +24,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from monarch.actor import Actor, endpoint
-
-__all__ = ["Finding", "HostCheck", "Probe", "check_hosts", "findings", "format_table", "ifname_allows", "report"]
+__all__ = ["Finding", "HostCheck", "check_hosts", "clock_offset", "findings", "format_table", "ifname_allows",
+           "report"]
 
 PACKAGES = ("torch", "torchmonarch", "monarch-plugin", "lightning", "transformers", "torchtitan")
 """The distributions whose versions must match the controller's on every host (those installed on either)."""
@@ -184,19 +184,7 @@ def ifname_allows(value: str, interface: str) -> bool:
     return hit != exclude
 
 
-class Probe(Actor):
-    """The doctor's one actor on a host: `report` of its machine."""
-
-    @endpoint
-    def report(self, paths: list[str], store_host: str, store_port: int) -> dict:
-        return report(paths, store_host, store_port)
-
-    @endpoint
-    def clock(self) -> float:
-        return time.time()
-
-
-def _offset(probe) -> float:
+def clock_offset(probe) -> float:
     """The host's clock minus this machine's: the reading of the quickest of three calls, against its midpoint."""
     samples = []
     for _ in range(3):
@@ -211,13 +199,15 @@ def _probe(index: int, check: HostCheck, paths: list[str], store_host: str, stor
            local: dict) -> None:
     from monarch.actor import attach_to_workers
 
+    from monarch_plugin.procs.watcher import Probe
+
     try:
         mesh = attach_to_workers(workers=[check.address], ca="trust_all_connections", name=f"doctor{index}")
         mesh.initialized.get(timeout=timeout)
         procs = mesh.spawn_procs(per_host={"procs": 1}, name=f"doctor{index}_procs")
         probe = procs.spawn(f"doctor{index}", Probe)
         check.report = probe.report.call_one(paths, store_host, store_port).get(timeout=timeout)
-        check.offset_s = _offset(probe)
+        check.offset_s = clock_offset(probe)
     except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is this host's finding
         check.findings.append(Finding("error", f"unreachable ({type(e).__name__}): start `monarch-plugin host "
                                                f"--address {check.address}` there, on the address this machine "

@@ -32,9 +32,10 @@ from monarch_plugin.procs import forkserver, notice, slurm
 from monarch_plugin.admission import admit, check_hosts_file, hosts_file_unsafe, read_token
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
+from monarch_plugin.doctor import HostCheck, clock_offset, findings, format_table, report
 from monarch_plugin.procs.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
-from monarch_plugin.events import EventLog
+from monarch_plugin.events import EventLog, logger
 from monarch_plugin.procs.pidwatch import PidWatch
 from monarch_plugin.protocol import Died, HostLost, HostUp, Key, watcher_names
 from monarch_plugin.procs.lease import lease_s
@@ -69,6 +70,8 @@ class Host:
     deaths_seen: int = 0
     unrecorded_since: float | None = None
     """When its watcher's death counter first stood ahead of the records it had written (else None)."""
+    check: HostCheck | None = None
+    """What its watcher reported of the machine, and the doctor's findings from it (`preflight`)."""
 
     @property
     def ip(self) -> str:
@@ -104,6 +107,7 @@ class Hosts:
         self._forkserver_seen = False  # its event emitted
         self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
+        self._here: dict | None = None  # this machine's `doctor.report`, what each host's is checked against
         self._token: bytes | None = None  # the job's token: a hosts-file line is attached only if it carries its HMAC
         self._refused: set[tuple[str, str]] = set()  # (line, why) of each refusal reported: reported once
         if config.hosts_file:  # refused now, before anything is spawned, if others may write it (`admission`)
@@ -143,14 +147,19 @@ class Hosts:
             raise ConfigError(f"`hosts_file` {self.config.hosts_file} lists no host yet and `hosts` is empty: "
                               "start `monarch-plugin host --address tcp://IP:PORT` on each machine and list them",
                               "hosts")
+        self._here = report(self.paths, self.config.store_host, store.port)
         attachers = [threading.Thread(target=self._attach, args=(a,), daemon=True) for a in addresses]
         for t in attachers:
             t.start()
         for t in attachers:
             t.join()
+        checks = [h.check for h in self.hosts if h.check is not None]
+        if checks:
+            logger.info("hosts checked (`preflight`; `monarch-plugin doctor` prints the same):\n%s",
+                        "\n".join(format_table(checks)))
         if not any(h.live for h in self.hosts):
             raise ConfigError(
-                f"no host could be used ({'; '.join(f'{a}: {why}' for a, why in self._failures)}): start "
+                f"no host could be used ({'; '.join(f'{a}: {why}' for a, why in self.failures)}): start "
                 "`monarch-plugin host --address tcp://IP:PORT` on each machine, with the address this controller "
                 "reaches it by", "hosts"
             )
@@ -179,6 +188,11 @@ class Hosts:
             self._agents.stop()
 
     # -- placement ------------------------------------------------------------------------------------------
+
+    @property
+    def failures(self) -> list[tuple[str, str]]:
+        """(address, why) of each host that could not be used: unreachable, or refused."""
+        return list(self._failures)
 
     def rooms(self) -> dict[int, tuple[int, set[int]]]:
         """Each live host's (slots, held slots), what `policies.place` decides from."""
@@ -329,19 +343,27 @@ class Hosts:
             self._failures.append((address, f"unreachable ({type(e).__name__})"))
             self.events.emit("host_unreachable", host=index, address=address, error=f"{type(e).__name__}: {e}")
             return None
-        if machine["missing"]:
-            why = (f"{', '.join(machine['missing'])} not found there: the script, its working directory and the "
-                   "events file's directory must be at the same paths on every host (a shared filesystem)")
+        offset = clock_offset(watcher)
+        store = f"{self.config.store_host}:{self._store.port}"
+        host.check = HostCheck(address, machine, offset, findings(self._here, machine, offset, store))
+        # Without `preflight`, only a host that lacks the run's paths is refused: a run cannot start there.
+        errors = [f.message for f in host.check.findings if f.severity == "error"
+                  and (self.config.preflight or "not found there" in f.message)]
+        if errors:
+            why = "; ".join(errors)
             self._failures.append((address, why))
             self.events.emit("host_refused", host=index, address=address, reason=why)
+            _stop(procs)
             return None
         host.mesh, host.watcher, host.watcher_procs = mesh, watcher, procs
         host.slots, host.gpus = self._slots(machine)
         host.heard_at = time.monotonic()
         host.live = True
         host.returning = any(h.ip == host.ip and h.watcher is not None for h in self.hosts[:index])
+        warnings = [f.message for f in host.check.findings if f.severity == "warning"]
         self.events.emit("host_up", host=index, address=address, slots=host.slots, watcher_pid=machine["pid"],
-                         returning=host.returning, seconds=round(time.monotonic() - t0, 3))
+                         returning=host.returning, seconds=round(time.monotonic() - t0, 3),
+                         **({"warnings": warnings} if warnings else {}))
         return host
 
     def _slots(self, machine: dict) -> tuple[int, GpuPlan | None]:

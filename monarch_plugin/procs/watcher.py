@@ -16,16 +16,18 @@ import json
 import os
 import socket
 import threading
+import time
 
 from monarch.actor import Actor, endpoint
 
+from monarch_plugin.doctor import report
 from monarch_plugin.procs import notice
 from monarch_plugin.procs.pidwatch import PidWatch
 from monarch_plugin.protocol import Drain, Key
 from monarch_plugin.procs.lease import Lease
 from monarch_plugin.signing import SignedStore
 
-__all__ = ["HostWatcher", "loopback_port"]
+__all__ = ["HostWatcher", "Probe", "loopback_port"]
 
 
 def loopback_port() -> int:
@@ -36,13 +38,29 @@ def loopback_port() -> int:
         return s.getsockname()[1]
 
 
-class HostWatcher(Actor):
+class Probe(Actor):
+    """A host's report on its machine (`doctor.report`) and its clock: the one actor `monarch-plugin doctor` spawns
+    on a host, and the base of the watcher a run spawns there, so both check a host the same way."""
+
+    @endpoint
+    def report(self, paths: list[str], store_host: str, store_port: int) -> dict:
+        return report(paths, store_host, store_port)
+
+    @endpoint
+    def clock(self) -> float:
+        return time.time()
+
+
+class HostWatcher(Probe):
+    """Also the doctor's `Probe`: its `clock`, and its report on the machine inside `machine`."""
+
     def __init__(self, store_host: str, store_port: int, host: int, lease: float, secret: str):
         """`secret`: the run's (`signing`), which signs what this watcher writes to the run's store. It stays out of
         this proc's environment, which `machine` reports."""
         import torch.distributed as dist
 
         self._host = host
+        self._store_address = (store_host, store_port)
         self._store = SignedStore(dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
                                                 timeout=datetime.timedelta(seconds=lease)), bytes.fromhex(secret))
         self._reported = 0  # deaths written so far: this watcher is its host's only writer of them
@@ -54,14 +72,12 @@ class HostWatcher(Actor):
 
     @endpoint
     def machine(self, paths: list[str]) -> dict:
-        """What the controller plans this host's GPU slots from (the accelerator, device count, environment), and
-        which of `paths` (the run's script, working directory, events directory) this host does not see."""
+        """The doctor's `report` on this host (its versions, which of `paths` it does not see, the accelerator...),
+        and what the controller plans its GPU slots from: the device count and the environment."""
         import torch
 
-        from monarch_plugin.backend import accelerator_kind
-
-        return {"kind": accelerator_kind(), "devices": torch.cuda.device_count(), "environ": dict(os.environ),
-                "missing": [p for p in paths if not os.path.exists(p)], "pid": os.getpid()}
+        return {**report(paths, *self._store_address), "devices": torch.cuda.device_count(),
+                "environ": dict(os.environ), "pid": os.getpid()}
 
     @endpoint
     def watch(self, replica: int, pids: list[int]) -> None:

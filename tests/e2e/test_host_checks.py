@@ -1,4 +1,5 @@
-"""`monarch-plugin doctor` against real host agents in network namespaces, each with a problem induced.
+"""Hosts checked before they train, against real host agents in network namespaces, each with a problem induced:
+by `monarch-plugin doctor`, and by a run as it attaches them (`preflight`).
 
 Host 0 is sound; host 1's agent sees a torch of another version (a shadowing dist-info first on its `PYTHONPATH`)
 and lacks the run's directory (an empty tmpfs over it, in the agent's own mount namespace: a machine without the
@@ -14,8 +15,9 @@ import sys
 import pytest
 
 import netns
+from conftest import WORKLOADS
 
-pytestmark = [pytest.mark.timeout(180),
+pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]
 
 
@@ -63,3 +65,38 @@ def test_doctor_names_each_hosts_problem_with_its_fix_and_fails_only_on_errors(h
     sound = _doctor("--hosts", net.address(0), "--script", str(script))
     assert sound.returncode == 0, sound.stdout + sound.stderr
     assert "1 host(s) checked" in sound.stdout and "no errors" in sound.stdout
+
+
+def test_a_run_checks_each_host_as_it_attaches_it_and_refuses_one_with_an_error(elastic_run, hosts, tmp_path):
+    """`preflight` (on by default with `hosts`): the watcher each host gets is the doctor's probe, so a run checks
+    a host as the doctor does. Host 1's agent sees another torch: it is refused, naming the version and the fix,
+    the doctor's table is logged, and the run trains on host 0 alone. With `--no-preflight` the same host is used."""
+    shadow = tmp_path / "shadow" / "torch-9.9.9.dist-info"
+    shadow.mkdir(parents=True)
+    (shadow / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.9.9\n")
+    net = hosts(2)
+    net.start_agent(0)
+    net.start_agent(1, env={"PYTHONPATH": str(shadow.parent)})
+    net.wait_listed(2)
+    import torch
+
+    def run_on_both(*flags: str):
+        run = elastic_run()
+        run.start("--hosts", f"{net.address(0)},{net.address(1)}", "--store-host", net.controller_ip, "--replicas",
+                  "2", "--min-replicas", "1", "--replicas-per-host", "2", *flags,
+                  script=WORKLOADS / "logged_loop.py",
+                  script_args=("--epochs", "1", "--samples", "48", "--batch", "12", "--out", str(run.out)))
+        assert run.wait(timeout=150) == 0, run.output
+        return run
+
+    checked = run_on_both()
+    [refused] = checked.events("host_refused")
+    assert refused["address"] == net.address(1)
+    assert refused["reason"] == f"torch 9.9.9 there, {torch.__version__} here: install torch=={torch.__version__} there"
+    assert [e["address"] for e in checked.events("host_up")] == [net.address(0)]
+    assert {s["host"] for s in checked.events("spawn")} == {net.address(0)}
+    assert "hosts checked (`preflight`" in checked.output and "ERROR" in checked.output
+
+    unchecked = run_on_both("--no-preflight")
+    assert not unchecked.events("host_refused")
+    assert sorted(e["address"] for e in unchecked.events("host_up")) == [net.address(0), net.address(1)]
