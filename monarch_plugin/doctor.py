@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import shutil
 import socket
 import sys
 import threading
@@ -262,42 +263,76 @@ def format_table(checks: list[HostCheck]) -> list[str]:
     return lines
 
 
-def main(ns) -> int:
-    """`monarch-plugin doctor`, from its parsed arguments."""
+def _listed(ns) -> list[str]:
+    """The addresses given by `--hosts` and `--hosts-file` (admitted as a run admits them)."""
     from monarch_plugin.admission import admit, check_hosts_file, read_token
-    from monarch_plugin.config import route_address
+
+    addresses = [a for a in (ns.hosts or "").split(",") if a]
+    if ns.hosts_file:
+        check_hosts_file(ns.hosts_file)
+        token = read_token(ns.token_file) if ns.token_file else None
+        with open(ns.hosts_file) as f:
+            for line in f:
+                line = line.split("#")[0].strip()
+                address, why = admit(line, token) if line else (None, None)
+                if why:
+                    print(f"monarch-plugin doctor: {ns.hosts_file}: {line!r} not admitted: {why}")
+                elif address:
+                    addresses.append(address)
+    return list(dict.fromkeys(addresses))
+
+
+def main(ns) -> int:
+    """`monarch-plugin doctor`, from its parsed arguments. With no hosts given, in a SLURM batch script of two or
+    more nodes: an agent started on each node as a run starts them (`procs.slurm`), checked, then stopped."""
+    from monarch_plugin.config import in_slurm_allocation, route_address
     from monarch_plugin.errors import ConfigError
 
+    paths = [os.path.abspath(p) for p in [*(ns.dir or []), *([ns.script] if ns.script else [])]] or [os.getcwd()]
+    agents = None
     try:
-        addresses = [a for a in (ns.hosts or "").split(",") if a]
-        if ns.hosts_file:
-            check_hosts_file(ns.hosts_file)
-            token = read_token(ns.token_file) if ns.token_file else None
-            with open(ns.hosts_file) as f:
-                for line in f:
-                    line = line.split("#")[0].strip()
-                    address, why = admit(line, token) if line else (None, None)
-                    if why:
-                        print(f"monarch-plugin doctor: {ns.hosts_file}: {line!r} not admitted: {why}")
-                    elif address:
-                        addresses.append(address)
+        missing_here = [p for p in paths if not os.path.exists(p)]
+        if missing_here:
+            raise ConfigError(f"{', '.join(missing_here)} not found on this machine", "script")
+        addresses = _listed(ns)
+        if not addresses and in_slurm_allocation(os.environ):
+            agents, addresses = _slurm_agents(ns.timeout)
         if not addresses:
-            raise ConfigError("no hosts to check: give `--hosts tcp://IP:PORT,...` or `--hosts-file PATH`", "hosts")
+            raise ConfigError("no hosts to check: give `--hosts tcp://IP:PORT,...` or `--hosts-file PATH`, or run it "
+                              "in a SLURM batch script of two or more nodes", "hosts")
         store_host = ns.store_host or route_address(addresses[0])
+        t0 = time.monotonic()
+        checks = check_hosts(addresses, paths, store_host, ns.timeout)
     except (ConfigError, OSError) as e:
         print(f"monarch-plugin doctor: error: {e}", file=sys.stderr)
         return 2
-    paths = [os.path.abspath(p) for p in [*(ns.dir or []), *([ns.script] if ns.script else [])]] or [os.getcwd()]
-    missing_here = [p for p in paths if not os.path.exists(p)]
-    if missing_here:
-        print(f"monarch-plugin doctor: error: {', '.join(missing_here)} not found on this machine", file=sys.stderr)
-        return 2
-    t0 = time.monotonic()
-    checks = check_hosts(list(dict.fromkeys(addresses)), paths, store_host, ns.timeout)
+    finally:
+        if agents is not None:
+            agents.stop()
+            shutil.rmtree(agents.dir, ignore_errors=True)
     print("\n".join(format_table(checks)))
     bad = sum(not c.ok for c in checks)
     print(f"monarch-plugin doctor: {len(checks)} host(s) checked in {time.monotonic() - t0:.1f} s from {store_host}: "
-          f"{bad} with errors" if bad else
-          f"monarch-plugin doctor: {len(checks)} host(s) checked in {time.monotonic() - t0:.1f} s from {store_host}: "
-          "no errors")
+          + (f"{bad} with errors" if bad else "no errors"))
     return 1 if bad else 0
+
+
+def _slurm_agents(timeout: float):
+    """An agent on each node of this SLURM allocation (their hosts file and token in a folder of the working
+    directory, which the nodes share), and the addresses of those that started."""
+    from pathlib import Path
+
+    from monarch_plugin.procs import slurm
+
+    allocation = slurm.Allocation.from_env()
+    where = Path(f"monarch-doctor-{allocation.job_id}").absolute()
+    agents = slurm.Agents(allocation, str(where / "hosts"), str(where / "token"))
+    agents.prepare()
+    agents.start()
+    try:
+        agents.wait_listed(timeout)
+    except BaseException:
+        agents.stop()
+        shutil.rmtree(agents.dir, ignore_errors=True)
+        raise
+    return agents, [allocation.agent(node) for node in allocation.nodes]

@@ -319,3 +319,19 @@ exec {sys.executable} -m torchtitan.train --module torchtitan_probe --config lla
         assert len(set(mine)) == len(mine) == GLOBAL_BATCH // records[0]["replicas"], (step, records)
         assert set(mine) <= batch, (step, records)
     job.nothing_outlives([0, 2])
+
+
+def test_doctor_in_a_batch_script_checks_every_node_of_the_allocation_and_leaves_nothing_behind(cluster, tmp_path):
+    """`monarch-plugin doctor` alone in a batch script of two nodes: an agent on each node as a run starts them, one
+    row per node, no errors, and the agents' steps and files gone when it returns."""
+    job = Job(cluster, tmp_path / "doctor", f"""#!/bin/bash
+#SBATCH --nodes=2
+exec {BIN / 'monarch-plugin'} doctor --timeout 60
+""")
+    job.completed(120)
+    out = job.log.read_text()
+    rows = [line.split() for line in out.splitlines() if line.startswith("tcp://")]
+    assert sorted(r[0] for r in rows) == [f"tcp://{cluster.net.ip(i)}:26600" for i in (0, 1)], out
+    assert {r[1] for r in rows} == {"ok"} and "2 host(s) checked" in out and "no errors" in out, out
+    assert not list(job.dir.glob("monarch-doctor-*"))
+    job.nothing_outlives([0, 1])
