@@ -169,6 +169,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="per-replica batch (global = batch x devices)")
     p.add_argument("--fault", default="sigkill:replica=1:step=12", help="fault to inject, or 'none'")
     p.add_argument("--fsdp", type=int, default=0, help="shard each replica over this many procs (monarch_fsdp)")
+    p.add_argument("--accelerator", default="cpu", help="Trainer(accelerator=...): cpu, or gpu (a GPU per proc)")
     args = p.parse_args()
 
     pl.seed_everything(0)
@@ -187,7 +188,7 @@ def main() -> None:
         strategy = MonarchFSDPStrategy(procs_per_replica=args.fsdp, auto_wrap_policy={Block}, **knobs)
     else:
         strategy = MonarchStrategy(**knobs)
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.epochs,
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_epochs=args.epochs,
                          log_every_n_steps=5, default_root_dir="runs/lightning_gpt")
     trainer.fit(model, DataLoader(train, batch_size=args.batch, shuffle=True, drop_last=True),
                 DataLoader(val, batch_size=16))
