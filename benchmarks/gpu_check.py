@@ -127,9 +127,18 @@ def _heal_proc(rank: int, port: int, backend: str, device: str, nbytes: int, out
             return {"tensors": self.tensors, "step": self.step}
 
     provider = State() if rank == 0 else None
-    for attempt in range(2):  # the first warms the group (NCCL builds its communicator on first use)
-        state, moved = transfer_state([group], 0 if rank == 0 else None, 1, provider, dev, Flags(), gen=0)
-    result = {"bytes": moved.bytes, "seconds": moved.seconds}
+
+    def synced() -> None:  # NCCL's futures complete when the work is queued: time what the device finished
+        if device != "cpu":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    transfer_state([group], 0 if rank == 0 else None, 1, provider, dev, Flags(), gen=0)  # warms the group
+    synced()
+    t0 = time.perf_counter()
+    state, moved = transfer_state([group], 0 if rank == 0 else None, 1, provider, dev, Flags(), gen=0)
+    synced()
+    result = {"bytes": moved.bytes, "seconds": time.perf_counter() - t0}
     if rank == 1:
         expected = State()
         result["equal"] = all(torch.equal(a, b) for a, b in zip(state["tensors"], expected.tensors))
@@ -204,7 +213,8 @@ def _run(cmd: list[str], timeout: float, cwd: Path) -> tuple[int, str]:
         done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
         return done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
-        return 124, f"no end within {timeout:.0f} s: {(e.stdout or '')[-500:]}"
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, f"no end within {timeout:.0f} s: {out[-500:]}"
 
 
 def row_forkserver(args) -> list[tuple[str, str]]:
@@ -232,6 +242,10 @@ def row_forkserver(args) -> list[tuple[str, str]]:
 def row_lightning(args) -> list[tuple[str, str]]:
     if _monarch():
         return [("lightning", f"skipped: {_monarch()}")]
+    try:
+        import lightning  # noqa: F401
+    except ImportError:
+        return [("lightning", 'skipped: lightning is not installed (pip install -e ".[lightning]")')]
     if args.device != "cpu" and _gpus() < 2:
         return [("lightning", f"needs 2 GPUs (a GPU per replica), {_gpus()} here")]
     accelerator = "cpu" if args.device == "cpu" else "gpu"

@@ -28,8 +28,11 @@ from dataclasses import dataclass, field
 __all__ = ["Finding", "HostCheck", "check_hosts", "clock_offset", "findings", "format_table", "ifname_allows",
            "report"]
 
-PACKAGES = ("torch", "torchmonarch", "monarch-plugin", "lightning", "transformers", "torchtitan")
-"""The distributions whose versions must match the controller's on every host (those installed on either)."""
+CORE = ("torch", "torchmonarch", "monarch-plugin")
+"""What every host needs, at this machine's version (its public part: a `+cpu` controller may run `+cu130` hosts)."""
+FRAMEWORKS = ("lightning", "transformers", "torchtitan")
+"""Needed where the training code imports them, at this machine's version: a host that lacks one is a warning."""
+PACKAGES = CORE + FRAMEWORKS
 
 CLOCK_WARN_S = 1.0
 """A host's clock this far from the controller's: the run works (it times nothing across machines), but the
@@ -97,7 +100,8 @@ def _interface_of(address: str | None) -> str | None:
 
 
 def _gpus() -> list[dict]:
-    """Each visible GPU's name, memory and the memory other processes hold on it (`torch.cuda.mem_get_info`)."""
+    """Each visible GPU's name, memory and the memory other processes hold on it (`torch.cuda.mem_get_info`, which
+    makes a CUDA context on each: only the doctor's short-lived probe asks, never a run's watcher)."""
     import torch
 
     found = []
@@ -108,10 +112,10 @@ def _gpus() -> list[dict]:
     return found
 
 
-def report(paths: list[str], store_host: str, store_port: int) -> dict:
-    """What this machine says of itself for the doctor (run on each host): versions, clock, which of `paths` it
-    does not see, whether the controller's store port answers, its backend and GPUs, and the interface it would
-    reach the controller by."""
+def report(paths: list[str], store_host: str, store_port: int, gpus: bool = False) -> dict:
+    """What this machine says of itself for the doctor (run on each host): versions, which of `paths` it does not
+    see, whether the controller's store port answers, its backend (and with `gpus`, each GPU's memory in use), and
+    the interface it would reach the controller by."""
     import torch
 
     from monarch_plugin.backend import accelerator_kind
@@ -127,16 +131,24 @@ def report(paths: list[str], store_host: str, store_port: int) -> dict:
         "hostname": socket.gethostname(), "python": platform.python_version(),
         "packages": {name: _version(name) for name in PACKAGES},
         "missing": [p for p in paths if not os.path.exists(p)], "store_error": store,
-        "kind": kind, "nccl": kind != "cpu" and torch.distributed.is_nccl_available(),
-        "gpus": _gpus() if kind != "cpu" else [],
+        "kind": kind, "devices": torch.cuda.device_count(),
+        "nccl": kind != "cpu" and torch.distributed.is_nccl_available(),
+        "gpus": _gpus() if gpus and kind != "cpu" else [],
         "source": source, "interface": _interface_of(source),
         "ifnames": {name: os.environ[name] for name in IFNAME_VARS if name in os.environ},
     }
 
 
+def _public(version: str | None) -> str | None:
+    return version.split("+")[0] if version else None
+
+
 def findings(local: dict, remote: dict, offset_s: float, store: str) -> list[Finding]:
     """What is wrong with a host, from its `report` against this machine's (`local`): pure, so each rule is tested
     alone. `store` is the address:port the host was asked to reach."""
+    if "packages" not in remote:  # a watcher of an older monarch-plugin, whose report has none of this
+        return [Finding("error", f"another monarch-plugin there, {local['packages']['monarch-plugin']} here: "
+                                 f"install monarch-plugin=={local['packages']['monarch-plugin']} there")]
     out = []
     for name in remote["missing"]:
         out.append(Finding("error", f"{name} not found there: the script, working directory, events and checkpoint "
@@ -147,9 +159,13 @@ def findings(local: dict, remote: dict, offset_s: float, store: str) -> list[Fin
                                     "sends pickled code and state; install the same Python minor version"))
     for name in PACKAGES:
         mine, theirs = local["packages"].get(name), remote["packages"].get(name)
-        if mine != theirs and (mine or theirs):
-            fix = f"install {name}=={mine} there" if mine else f"uninstall {name} there"
-            out.append(Finding("error", f"{name} {theirs or 'missing'} there, {mine or 'missing'} here: {fix}"))
+        if not mine or _public(mine) == _public(theirs):
+            continue  # what this machine lacks, its training code does not import here either
+        says = f"{name} {theirs or 'missing'} there, {mine} here: install {name}=={_public(mine)} there"
+        if theirs or name in CORE:
+            out.append(Finding("error", says))
+        else:
+            out.append(Finding("warning", f"{says} if the training code imports it"))
     if remote["store_error"]:
         out.append(Finding("error", f"the controller's store port ({store}) cannot be reached from there "
                                     f"({remote['store_error']}): open this machine's TCP ports to the host (a "
@@ -157,9 +173,6 @@ def findings(local: dict, remote: dict, offset_s: float, store: str) -> list[Fin
     if abs(offset_s) > CLOCK_WARN_S:
         out.append(Finding("warning", f"its clock is {offset_s:+.1f} s from this machine's: events and logs of "
                                       "different hosts will not line up; run NTP/chrony there"))
-    if remote["kind"] != local["kind"]:
-        out.append(Finding("warning", f"{remote['kind']} there, {local['kind']} here: each worker resolves "
-                                      "`backend auto` for itself, so keep a run's hosts all GPU or all CPU"))
     if remote["kind"] != "cpu" and not remote["nccl"]:
         out.append(Finding("error", "its torch has no NCCL (RCCL on ROCm): install a CUDA or ROCm build of torch"))
     busy = [f"GPU {i} ({g['used_gib']} of {g['total_gib']} GiB)" for i, g in enumerate(remote["gpus"])
@@ -168,15 +181,29 @@ def findings(local: dict, remote: dict, offset_s: float, store: str) -> list[Fin
         out.append(Finding("warning", f"memory in use by other processes on {', '.join(busy)}: another job may hold "
                                       "these GPUs; narrow the agent's CUDA_VISIBLE_DEVICES/HIP_VISIBLE_DEVICES"))
     for name, value in remote["ifnames"].items():
-        if remote["interface"] and not ifname_allows(value, remote["interface"]):
+        if remote["interface"] and not ifname_allows(name, value, remote["interface"]):
             out.append(Finding("warning", f"{name}={value} there, but it reaches this machine by "
                                           f"{remote['interface']}: set {name}={remote['interface']}, or unset it"))
     return out
 
 
-def ifname_allows(value: str, interface: str) -> bool:
-    """Whether NCCL's/gloo's `*_SOCKET_IFNAME` value lets traffic use `interface`: a comma-separated list of name
-    prefixes, `=` before it for exact names, `^` to exclude those instead (NCCL's syntax)."""
+def mixed_kinds(checks: list[HostCheck]) -> None:
+    """GPU and CPU hosts in one job: each worker resolves `backend auto` for itself, so they would not agree. A
+    warning on each host of a kind other than the most common one."""
+    kinds = [c.report["kind"] for c in checks if c.report]
+    common = max(set(kinds), key=kinds.count) if kinds else None
+    for c in checks:
+        if c.report and c.report["kind"] != common:
+            c.findings.append(Finding("warning", f"{c.report['kind']} there, {common} on the other hosts: keep a "
+                                                 "run's hosts all GPU or all CPU (`backend auto` is chosen per host)"))
+
+
+def ifname_allows(variable: str, value: str, interface: str) -> bool:
+    """Whether `variable`=`value` lets a process's traffic use `interface`. NCCL_SOCKET_IFNAME: a comma-separated
+    list of name prefixes, `=` before it for exact names, `^` to exclude those instead; GLOO_SOCKET_IFNAME: exact
+    names."""
+    if variable == "GLOO_SOCKET_IFNAME":
+        return interface in [v.strip() for v in value.split(",")]
     exclude = value.startswith("^")
     value = value.lstrip("^")
     exact = value.startswith("=")
@@ -207,14 +234,15 @@ def _probe(index: int, check: HostCheck, paths: list[str], store_host: str, stor
         mesh.initialized.get(timeout=timeout)
         procs = mesh.spawn_procs(per_host={"procs": 1}, name=f"doctor{index}_procs")
         probe = procs.spawn(f"doctor{index}", Probe)
-        check.report = probe.report.call_one(paths, store_host, store_port).get(timeout=timeout)
-        check.offset_s = clock_offset(probe)
+        machine = probe.report.call_one(paths, store_host, store_port, True).get(timeout=timeout)
+        offset = clock_offset(probe)
     except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is this host's finding
         check.findings.append(Finding("error", f"unreachable ({type(e).__name__}): start `monarch-plugin host "
                                                f"--address {check.address}` there, on the address this machine "
                                                "reaches it by"))
         return
-    check.findings.extend(findings(local, check.report, check.offset_s, f"{store_host}:{store_port}"))
+    check.report, check.offset_s = machine, offset
+    check.findings.extend(findings(local, machine, offset, f"{store_host}:{store_port}"))
     try:
         procs.stop().get(timeout=timeout)
     except Exception:  # noqa: BLE001 - the agent ends what this controller started when it leaves anyway
@@ -237,7 +265,11 @@ def check_hosts(addresses: list[str], paths: list[str], store_host: str, timeout
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout + 30)
+            t.join(timeout + 45)  # attach, report, three clock calls (10 s each at most)
+    for c in checks:
+        if c.report is None and not c.findings:
+            c.findings.append(Finding("error", "no answer in time (attached, then silent): see its agent's log"))
+    mixed_kinds(checks)
     return checks
 
 
@@ -251,7 +283,7 @@ def format_table(checks: list[HostCheck]) -> list[str]:
         if r is None:
             rows.append((c.address, status, *["-"] * (len(head) - 2)))
             continue
-        backend = r["kind"] if r["kind"] == "cpu" else f"{r['kind']} x{len(r['gpus'])}"
+        backend = r["kind"] if r["kind"] == "cpu" else f"{r['kind']} x{r['devices']}"
         rows.append((c.address, status, r["hostname"], r["python"], r["packages"]["torch"] or "missing",
                      r["packages"]["torchmonarch"] or "missing", f"{c.offset_s:+.2f}s",
                      "reached" if not r["store_error"] else "UNREACHABLE", backend,

@@ -331,6 +331,7 @@ class Hosts:
             index = len(self.hosts)
             host = Host(index, address, slots=0, live=False)
             self.hosts.append(host)
+        procs = None
         try:
             mesh = attach_to_workers(workers=[address], ca="trust_all_connections", name=f"host{index}")
             mesh.initialized.get(timeout=min(self.config.join_timeout_s, 30.0))
@@ -339,11 +340,13 @@ class Hosts:
             watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, index,
                                   self._lease, self._secret)
             machine = watcher.machine.call_one(self.paths).get(timeout=self.config.join_timeout_s)
+            offset = clock_offset(watcher)
         except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is reported; the run goes on
             self._failures.append((address, f"unreachable ({type(e).__name__})"))
             self.events.emit("host_unreachable", host=index, address=address, error=f"{type(e).__name__}: {e}")
+            if procs is not None:  # a watcher that answered once, then not: it must not beat on
+                _stop(procs)
             return None
-        offset = clock_offset(watcher)
         store = f"{self.config.store_host}:{self._store.port}"
         host.check = HostCheck(address, machine, offset, findings(self._here, machine, offset, store))
         # Without `preflight`, only a host that lacks the run's paths is refused: a run cannot start there.

@@ -43,8 +43,8 @@ class Probe(Actor):
     on a host, and the base of the watcher a run spawns there, so both check a host the same way."""
 
     @endpoint
-    def report(self, paths: list[str], store_host: str, store_port: int) -> dict:
-        return report(paths, store_host, store_port)
+    def report(self, paths: list[str], store_host: str, store_port: int, gpus: bool = False) -> dict:
+        return report(paths, store_host, store_port, gpus)
 
     @endpoint
     def clock(self) -> float:
@@ -72,12 +72,10 @@ class HostWatcher(Probe):
 
     @endpoint
     def machine(self, paths: list[str]) -> dict:
-        """The doctor's `report` on this host (its versions, which of `paths` it does not see, the accelerator...),
-        and what the controller plans its GPU slots from: the device count and the environment."""
-        import torch
-
-        return {**report(paths, *self._store_address), "devices": torch.cuda.device_count(),
-                "environ": dict(os.environ), "pid": os.getpid()}
+        """The doctor's `report` on this host (its versions, which of `paths` it does not see, the accelerator and
+        device count...; no GPU memory, which would hold a CUDA context for the run), and the environment the
+        controller plans its GPU slots from."""
+        return {**report(paths, *self._store_address), "environ": dict(os.environ), "pid": os.getpid()}
 
     @endpoint
     def watch(self, replica: int, pids: list[int]) -> None:

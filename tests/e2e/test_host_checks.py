@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.timeout(300),
 def _doctor(*args: str) -> subprocess.CompletedProcess:
     """`monarch-plugin doctor ARGS`, run as the installed command is."""
     command = "import sys; from monarch_plugin.cli import plugin; sys.exit(plugin(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", command, "doctor", *args, "--timeout", "10"],
+    return subprocess.run([sys.executable, "-c", command, "doctor", *args, "--timeout", "15"],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -52,14 +52,15 @@ def test_doctor_names_each_hosts_problem_with_its_fix_and_fails_only_on_errors(h
     found = [line for line in done.stdout.splitlines() if ": error: " in line or ": warning: " in line]
     import torch
 
-    assert sorted(found) == sorted([
+    public = torch.__version__.split("+")[0]
+    assert sorted(found[:2]) == sorted([
         f"{net.address(1)}: error: {script} not found there: the script, working directory, events and checkpoint "
         "directories must be at the same paths on every host (mount the shared filesystem there)",
-        f"{net.address(1)}: error: torch 9.9.9 there, {torch.__version__} here: install torch=={torch.__version__} "
-        "there",
-        f"{nowhere}: error: unreachable (TimeoutError): start `monarch-plugin host --address {nowhere}` there, on the "
-        "address this machine reaches it by",
+        f"{net.address(1)}: error: torch 9.9.9 there, {torch.__version__} here: install torch=={public} there",
     ]), done.stdout
+    [unreachable] = found[2:]
+    fix = f"start `monarch-plugin host --address {nowhere}` there, on the address this machine reaches it by"
+    assert unreachable.startswith(f"{nowhere}: error: unreachable (") and unreachable.endswith(fix), done.stdout
     assert "2 with errors" in done.stdout
 
     sound = _doctor("--hosts", net.address(0), "--script", str(script))
@@ -92,7 +93,8 @@ def test_a_run_checks_each_host_as_it_attaches_it_and_refuses_one_with_an_error(
     checked = run_on_both()
     [refused] = checked.events("host_refused")
     assert refused["address"] == net.address(1)
-    assert refused["reason"] == f"torch 9.9.9 there, {torch.__version__} here: install torch=={torch.__version__} there"
+    public = torch.__version__.split("+")[0]
+    assert refused["reason"] == f"torch 9.9.9 there, {torch.__version__} here: install torch=={public} there"
     assert [e["address"] for e in checked.events("host_up")] == [net.address(0)]
     assert {s["host"] for s in checked.events("spawn")} == {net.address(0)}
     assert "hosts checked (`preflight`" in checked.output and "ERROR" in checked.output
