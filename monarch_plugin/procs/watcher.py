@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -30,10 +31,46 @@ from monarch_plugin.signing import SignedStore
 __all__ = ["HostWatcher", "Probe", "loopback_port"]
 
 
+_HANDED_S = 60.0
+_handed: dict[int, float] = {}  # port -> when it was handed out: not handed again for `_HANDED_S`
+_handed_lock = threading.Lock()
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The first port of the kernel's ephemeral range, from which it picks outgoing connections' local ports."""
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def loopback_port() -> int:
     """A port free on this machine's loopback now: a replica's own rendezvous (`MASTER_PORT`) listens there. Ask
-    the replica's host, not the controller's: a port free on one machine may be taken on another."""
-    with socket.socket() as s:
+    the replica's host, not the controller's: a port free on one machine may be taken on another.
+
+    Taken below the kernel's ephemeral range. A port from that range (what binding port 0 gives) that is free when
+    asked can be the local port of any outgoing connection (the survivors' gloo sockets open many) before the
+    replica binds it, which once killed a replacement at its start (EADDRINUSE); below the range only an explicit
+    bind takes a port. Not handed out twice within a minute (two replicas starting at once)."""
+    low = _ephemeral_low()
+    floor = max(1024, low - 16384)
+    with _handed_lock:
+        now = time.monotonic()
+        for port in [p for p, at in _handed.items() if now - at > _HANDED_S]:
+            del _handed[port]
+        for _ in range(64 if low - floor >= 256 else 0):
+            port = random.randrange(floor, low)
+            if port in _handed:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed[port] = now
+            return port
+    with socket.socket() as s:  # no room below the range (or none free there): the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
