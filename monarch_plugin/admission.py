@@ -30,7 +30,7 @@ from monarch_plugin.config import parse_host
 from monarch_plugin.errors import ConfigError
 
 __all__ = ["MAC_PREFIX", "admit", "check_hosts_file", "host_line", "hosts_file_unsafe", "make_token", "new_token",
-           "read_token", "sign"]
+           "read_hosts_file", "read_token", "sign"]
 
 MAC_PREFIX = "hmac="
 """How a hosts-file line carries its HMAC: ``tcp://IP:PORT hmac=<64 hex digits>``."""
@@ -159,6 +159,28 @@ def check_hosts_file(path: str) -> None:
     why = hosts_file_unsafe(st, path)
     if why:
         raise ConfigError(why, "hosts_file")
+
+
+def read_hosts_file(path: str, token: bytes | None) -> tuple[list[str], list[tuple[str, str | None, str]]]:
+    """The addresses the hosts file `path` admits now, and each refusal as (line, address, why): the whole file
+    (line "") if others may write it; with `token`, each line that does not carry the HMAC of its address. A file
+    not there yet admits none. The status is the file's as read, never blocking on a FIFO."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
+            why = hosts_file_unsafe(os.fstat(f.fileno()), path)
+            lines = [] if why else [line.split("#")[0].strip() for line in f]
+    except FileNotFoundError:
+        return [], []
+    if why:
+        return [], [("", None, why)]
+    addresses, refused = [], []
+    for line in filter(None, lines):
+        address, why = admit(line, token)
+        if why:
+            refused.append((line, address, why))
+        else:
+            addresses.append(address)
+    return addresses, refused
 
 
 def _user(uid: int) -> str:

@@ -297,20 +297,15 @@ def format_table(checks: list[HostCheck]) -> list[str]:
 
 def _listed(ns) -> list[str]:
     """The addresses given by `--hosts` and `--hosts-file` (admitted as a run admits them)."""
-    from monarch_plugin.admission import admit, check_hosts_file, read_token
+    from monarch_plugin.admission import check_hosts_file, read_hosts_file, read_token
 
     addresses = [a for a in (ns.hosts or "").split(",") if a]
     if ns.hosts_file:
         check_hosts_file(ns.hosts_file)
-        token = read_token(ns.token_file) if ns.token_file else None
-        with open(ns.hosts_file) as f:
-            for line in f:
-                line = line.split("#")[0].strip()
-                address, why = admit(line, token) if line else (None, None)
-                if why:
-                    print(f"monarch-plugin doctor: {ns.hosts_file}: {line!r} not admitted: {why}")
-                elif address:
-                    addresses.append(address)
+        listed, refused = read_hosts_file(ns.hosts_file, read_token(ns.token_file) if ns.token_file else None)
+        for line, _, why in refused:
+            print(f"monarch-plugin doctor: {ns.hosts_file}: {line!r} not admitted: {why}")
+        addresses += listed
     return list(dict.fromkeys(addresses))
 
 

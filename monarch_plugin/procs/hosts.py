@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from monarch_plugin.procs import forkserver, notice, slurm
-from monarch_plugin.admission import admit, check_hosts_file, hosts_file_unsafe, read_token
+from monarch_plugin.admission import check_hosts_file, read_hosts_file, read_token
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
 from monarch_plugin.doctor import HostCheck, clock_offset, findings, format_table, report
@@ -289,28 +289,11 @@ class Hosts:
         """The addresses `hosts_file` admits now (`admission`): none if others may write the file; with a token,
         those whose line carries the HMAC of the address. Each refusal is reported once (`host_refused`), and a
         refused address is never contacted."""
-        path = self.config.hosts_file
-        if not path:
+        if not self.config.hosts_file:
             return []
-        try:
-            # The status of the file read, not of whatever the name points at afterwards; never blocking on a FIFO.
-            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
-                why = hosts_file_unsafe(os.fstat(f.fileno()), path)
-                lines = [] if why else [line.split("#")[0].strip() for line in f]
-        except FileNotFoundError:
-            return []
-        if why:
-            self._refuse("", None, why)
-            return []
-        addresses = []
-        for line in lines:
-            if not line:
-                continue
-            address, why = admit(line, self._token)
-            if why:
-                self._refuse(line, address, why)
-                continue
-            addresses.append(address)
+        addresses, refused = read_hosts_file(self.config.hosts_file, self._token)
+        for line, address, why in refused:
+            self._refuse(line, address, why)
         return addresses
 
     def _refuse(self, line: str, address: str | None, why: str) -> None:
