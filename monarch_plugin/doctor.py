@@ -312,7 +312,7 @@ def _listed(ns) -> list[str]:
 def main(ns) -> int:
     """`monarch-plugin doctor`, from its parsed arguments. With no hosts given, in a SLURM batch script of two or
     more nodes: an agent started on each node as a run starts them (`procs.slurm`), checked, then stopped."""
-    from monarch_plugin.config import in_slurm_allocation, route_address
+    from monarch_plugin.config import _wildcard, in_slurm_allocation, route_address
     from monarch_plugin.errors import ConfigError
 
     paths = [os.path.abspath(p) for p in [*(ns.dir or []), *([ns.script] if ns.script else [])]] or [os.getcwd()]
@@ -328,6 +328,9 @@ def main(ns) -> int:
             raise ConfigError("no hosts to check: give `--hosts tcp://IP:PORT,...` or `--hosts-file PATH`, or run it "
                               "in a SLURM batch script of two or more nodes", "hosts")
         store_host = ns.store_host or route_address(addresses[0])
+        if _wildcard(store_host):
+            raise ConfigError(f"--store-host {store_host} is a wildcard address: give this machine's IP on the "
+                              "network the hosts share, or leave it unset", "store_host")
         t0 = time.monotonic()
         checks = check_hosts(addresses, paths, store_host, ns.timeout)
     except (ConfigError, OSError) as e:

@@ -84,3 +84,9 @@ def test_the_table_has_a_row_per_host_and_each_finding_below_it():
     assert lines[1].split()[:3] == ["tcp://10.0.0.2:26600", "ok", "n1"] and "eth0 (10.0.0.2)" in lines[1]
     assert lines[2].split()[:3] == ["tcp://10.0.0.3:26600", "ERROR", "-"]
     assert lines[3] == "tcp://10.0.0.3:26600: error: unreachable (TimeoutError): start it"
+
+
+def test_a_wildcard_store_host_is_refused_before_anything_listens():
+    from monarch_plugin.cli import plugin
+
+    assert plugin(["doctor", "--hosts", "tcp://127.0.0.1:1", "--store-host", "0.0.0.0"]) == 2
