@@ -5,8 +5,8 @@ A dataclass in torchtitan's config style (every field documented, parsed by tyro
 of the job config rather than a launcher's flags, and the section is read straight into the runtime's config.
 `validate` runs when the config is built (`MonarchTrainer.Config.__post_init__`, so at parse time, before anything
 is spawned) and names the field to change in every message: the runtime's own `ElasticConfig` checks its settings,
-and the cross-section rules live here (a replica's procs are its FSDP group, so the parallel dims must fit
-them; pipeline, tensor, context and expert parallelism are refused).
+and the cross-section rules live here (a replica's procs are its FSDP x TP mesh, so the parallel dims must fit
+them; pipeline, context and expert parallelism are refused, docs/torchtitan.md says why).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from monarch_plugin.errors import ConfigError
 if TYPE_CHECKING:
     from monarch_plugin.integrations.torchtitan.trainer import MonarchTrainer
 
-__all__ = ["MonarchConfig", "elastic_config", "global_batch_size", "micro_batch_size", "validate"]
+__all__ = ["MonarchConfig", "data_parallel_procs", "elastic_config", "global_batch_size", "micro_batch_size",
+           "validate"]
 
 
 OWNED = {"checkpoint_dir": "`--checkpoint.folder` under `--dump_folder`"}
@@ -37,7 +38,7 @@ STRUCTURED_LOGS_ENV = "TITAN_STRUCT_LOGGER_HANDLERS"
 it) to `trainer.replica_structured_logs`, which keeps each replica's files in a folder of its own."""
 
 ENABLE = ("Train elastically under PyTorch Monarch: the launching process becomes the controller and spawns "
-          "`replicas` replicas of `procs_per_replica` procs each (one FSDP group per replica). A SIGKILLed worker "
+          "`replicas` replicas of `procs_per_replica` procs each (one FSDP x TP mesh per replica). A SIGKILLed worker "
           "costs the survivors the step in flight; its replica is replaced and healed from a live one. Off: "
           "torchtitan trains as usual (under torchrun).")
 """`--monarch.enable`: the one setting of the section that is not the runtime's."""
@@ -73,10 +74,16 @@ def _section() -> type:
 MonarchConfig = _section()
 
 
+def data_parallel_procs(config: "MonarchTrainer.Config") -> int:
+    """A replica's procs that read data of their own: its FSDP shard degree, `procs_per_replica` over the tensor
+    parallel degree (the procs of one TP group read the same samples)."""
+    return config.monarch.procs_per_replica // config.parallelism.tensor_parallel_degree
+
+
 def micro_batch_size(config: "MonarchTrainer.Config") -> int:
     """Samples in one global micro-batch: what the replicas started with take in one forward,
-    `local_batch_size x procs_per_replica x replicas`; the same samples are cut over fewer replicas after a death."""
-    return config.training.local_batch_size * config.monarch.procs_per_replica * config.monarch.replicas
+    `local_batch_size x data_parallel_procs x replicas`; the same samples are cut over fewer replicas after a death."""
+    return config.training.local_batch_size * data_parallel_procs(config) * config.monarch.replicas
 
 
 def global_batch_size(config: "MonarchTrainer.Config") -> int:
@@ -104,10 +111,9 @@ def validate(config: "MonarchTrainer.Config") -> None:
         elastic_config(config)
     except ConfigError as e:
         raise ValueError(spell_fields(str(e), flag)) from e
-    k = monarch.procs_per_replica
+    k, tp = monarch.procs_per_replica, parallelism.tensor_parallel_degree
     unsupported = {
         "pipeline_parallel_degree": "pipeline parallelism",
-        "tensor_parallel_degree": "tensor parallelism",
         "context_parallel_degree": "context parallelism",
         "expert_parallel_degree": "expert parallelism",
     }
@@ -115,19 +121,25 @@ def validate(config: "MonarchTrainer.Config") -> None:
         if getattr(parallelism, field_name) != 1:
             raise ValueError(
                 f"--monarch.enable does not support {what} (--parallelism.{field_name} "
-                f"{getattr(parallelism, field_name)}): a replica is one FSDP group of --monarch.procs_per_replica "
-                f"procs; set --parallelism.{field_name} 1"
+                f"{getattr(parallelism, field_name)}): a replica is an FSDP x TP mesh of --monarch.procs_per_replica "
+                f"procs (docs/torchtitan.md says why); set --parallelism.{field_name} 1"
             )
+    if k % tp:
+        raise ValueError(
+            f"--parallelism.tensor_parallel_degree {tp} does not divide --monarch.procs_per_replica {k}: a replica's "
+            "procs are its FSDP x TP mesh; make procs_per_replica a multiple of the tensor parallel degree"
+        )
     if parallelism.data_parallel_replicate_degree != 1:
         raise ValueError(
             f"--parallelism.data_parallel_replicate_degree {parallelism.data_parallel_replicate_degree} with "
             "--monarch.enable: the replicas are the replicate dimension; set it to 1 and use --monarch.replicas"
         )
-    if parallelism.data_parallel_shard_degree not in (-1, k):
+    tp = parallelism.tensor_parallel_degree
+    if parallelism.data_parallel_shard_degree not in (-1, k // tp):
         raise ValueError(
             f"--monarch.procs_per_replica {k} does not match --parallelism.data_parallel_shard_degree "
-            f"{parallelism.data_parallel_shard_degree}: a replica's procs are its FSDP group; make them equal "
-            "(or leave the shard degree at -1)"
+            f"{parallelism.data_parallel_shard_degree} x --parallelism.tensor_parallel_degree {tp}: a replica's "
+            "procs are its FSDP x TP mesh; make them equal (or leave the shard degree at -1)"
         )
     if parallelism.spmd_backend == "spmd_types" and k > 1:
         raise ValueError(
@@ -143,17 +155,18 @@ def validate(config: "MonarchTrainer.Config") -> None:
         raise ValueError(f"--comm.mode {config.comm.mode} has no real processes to fail: drop --monarch.enable")
     per_step = micro_batch_size(config)
     total = global_batch_size(config)
+    readers = "--monarch.procs_per_replica" + (" / --parallelism.tensor_parallel_degree" if tp > 1 else "")
     if total % per_step:
         raise ValueError(
             f"--training.global_batch_size {total} is not a multiple of --training.local_batch_size x "
-            f"--monarch.procs_per_replica x --monarch.replicas = {per_step}: each accumulation micro-batch "
-            "is one such global batch cut over the live replicas"
+            f"{readers} x --monarch.replicas = {per_step}: each accumulation micro-batch is one such global batch "
+            "cut over the live replicas"
         )
-    max_replicas = monarch.max_replicas or monarch.replicas
-    if per_step < max_replicas * k:
+    max_replicas, dp = monarch.max_replicas or monarch.replicas, data_parallel_procs(config)
+    if per_step < max_replicas * dp:
         raise ValueError(
             f"a micro-batch of {per_step} samples (--training.local_batch_size {training.local_batch_size} x "
-            f"{k} procs x {monarch.replicas} replicas) leaves some of up to {max_replicas * k} procs "
-            f"(--monarch.max_replicas x --monarch.procs_per_replica) without a sample: raise "
+            f"{dp} data-parallel procs x {monarch.replicas} replicas) leaves some of up to {max_replicas * dp} "
+            f"data-parallel procs (--monarch.max_replicas x {readers}) without a sample: raise "
             "--training.local_batch_size"
         )

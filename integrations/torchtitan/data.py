@@ -5,7 +5,7 @@ when a replica dies its shard of the data is simply not trained on, and a regrow
 up with the shards. Here every proc reads the same unsharded stream of packed samples (the job's own
 dataloader config, built for one rank with a batch of one sample), and one global cursor moves through it:
 each step takes the next global batch from the stream and cuts it over the replicas live *for that step*,
-then over the procs of the replica. The cursor moves only when the step commits; a dropped step is redone
+then over the replica's data-parallel procs (the procs of one TP group read the same samples). The cursor moves only when the step commits; a dropped step is redone
 on the same global batch, cut for the new group; and the stream's state at the last committed step is part
 of what a newcomer heals from, so whatever the group does no sample is skipped or trained twice.
 
@@ -43,7 +43,8 @@ class ElasticDataLoader(BaseDataLoader):
         """The job's own dataloader config; built unsharded, one sample per batch, and read by every proc."""
 
         micro_batch_size: int
-        """Samples in one global micro-batch: local batch size x procs per replica x replicas at start."""
+        """Samples in one global micro-batch: local batch size x data-parallel procs per replica x replicas at
+        start."""
 
         micro_batches: int = 1
         """Micro-batches per optimizer step (gradient accumulation)."""
@@ -82,7 +83,8 @@ class ElasticDataLoader(BaseDataLoader):
             yield _collate([window[self._next - 1][i] for i in samples])
 
     def share(self, micro: int) -> list[int]:
-        """Indices (within the global micro-batch) of this proc's samples: its replica's share, then its own."""
+        """Indices (within the global micro-batch) of this proc's samples: its replica's share, then its data-parallel
+        rank's (torchtitan's `dp_rank`, shared by the procs of a TP group)."""
         rank, world = self._group
         start, end = shard_bounds(self.config.micro_batch_size, rank, world)
         lo, hi = shard_bounds(end - start, self.dp_rank, self.dp_world_size)

@@ -1,11 +1,11 @@
-"""`MonarchTrainer`: torchtitan's Trainer with a `monarch` config section, elastic across FSDP replicas.
+"""`MonarchTrainer`: torchtitan's Trainer with a `monarch` config section, elastic across replicas.
 
 The same class serves both sides. In the launching process, `Config.build()` returns the controller
 (`launch.ElasticLauncher`) instead of a Trainer when `--monarch.enable` is set; it spawns the replicas, each
 of which runs the same command and builds a real `MonarchTrainer` whose torch.distributed world is its own
-replica's procs (one FSDP group, as torchtitan builds it). Across replicas only the runtime's session talks:
+replica's procs (its FSDP x TP mesh, as torchtitan builds it). Across replicas only the runtime's session talks:
 
-* **The step is a transaction.** `train_step` computes the step's micro-batches (FSDP reduce-scatters inside
+* **The step is a transaction.** `train_step` computes the step's micro-batches (FSDP and TP communicate inside
   the replica as usual), then sums each proc's gradient shard with the same shard of the other live replicas
   and votes inside the replica; only if every reduction completed do clipping, the optimizer, the LR
   schedule, the data cursor and the step counter move. A death drops the step: the survivors join the new
@@ -13,7 +13,8 @@ replica's procs (one FSDP group, as torchtitan builds it). Across replicas only 
 * **The heal is taken at a step boundary.** A replica joins a new generation only between steps (before the
   step's first forward, or after a dropped step's backward has finished), from the training thread, so a
   donor serves weights and optimizer state that no FSDP forward, backward or optimizer step is touching.
-  Each proc heals from the proc holding the same shard in the donor replica.
+  Each proc heals from the proc holding the same shard in the donor replica, after checking that its mesh
+  dimensions and placements are the donor's.
 * **The loss is normalised globally.** Every proc holds the step's whole global batch (`ElasticDataLoader`),
   so it divides its loss by the global valid-token count: FSDP's in-replica sum plus the cross-replica sum
   give the global-batch mean at any number of live replicas, uneven splits included.
@@ -45,6 +46,7 @@ from monarch_plugin.integrations.torchtitan.config import (
 )
 from monarch_plugin.integrations.torchtitan.data import ElasticDataLoader
 from monarch_plugin.worker import context as _context
+from monarch_plugin.worker.dtensors import local_part
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 
 
@@ -69,7 +71,8 @@ class MonarchTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         monarch: MonarchConfig = field(default_factory=MonarchConfig)
-        """Elastic training across FSDP replicas under PyTorch Monarch; off unless `--monarch.enable`."""
+        """Elastic training across replicas (each an FSDP x TP mesh) under PyTorch Monarch; off unless
+        `--monarch.enable`."""
 
         def __post_init__(self) -> None:
             if self.monarch.enable:  # first, so an unsupported combination is reported against --monarch.enable
@@ -171,7 +174,7 @@ class MonarchTrainer(Trainer):
             input_dict = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_dict.items()}
             loss = self.forward_backward_step(input_dict=input_dict, labels=labels.to(self.device),
                                               global_valid_tokens=global_valid_tokens)
-            loss_sum += loss.detach()
+            loss_sum += local_part(loss.detach())  # under TP's loss parallel a DTensor, as torchtitan reads it
         self.ntokens_seen = tokens_before  # counted globally at commit, so a redone step is not counted twice
         self._attempted = (should_log, loss_sum, global_valid_tokens, local_valid_tokens)
         return [float(loss_sum)] if should_log else []

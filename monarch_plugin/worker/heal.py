@@ -9,8 +9,11 @@ Several healthy replicas at the newest step (up to `heal_donors`) serve one heal
 share of the tensors (`shares`: contiguous runs of about equal bytes, which donors and receivers compute alike from
 the tensors' sizes) over a group of its own, so the receivers take in that many streams at once. One stream is
 bound by the kernel's copies and the receiver's page faults, not the network (docs/benchmarks.md).
-A sharded tensor (FSDP's DTensor) travels as its local shard, from the donor proc holding the same shard;
-the receiver rebuilds it on its own device mesh, which the provider names (`device_mesh`).
+A sharded tensor (a DTensor: FSDP's, TP's, or both on one 2-D mesh) travels as its local shard, from the donor proc
+holding the same shard (proc k of one replica holds what proc k of any other holds, the replicas being built alike).
+Before any byte moves, the receiver checks the donor's shards against its own (`sharded()`): the same mesh
+dimensions, placements and shapes for every sharded tensor it holds, or the heal fails naming the first that
+differs. It rebuilds each shard on its own mesh of the same dimension names.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import io
 import pathlib
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any, Callable, Protocol
 
 import torch
@@ -42,6 +46,11 @@ class StateProvider(Protocol):
 
     def load_state_dict(self, state: dict) -> None: ...
 
+    def sharded(self) -> dict:
+        """The sharded part of this replica's state as it holds it now, under the keys `state_dict` uses (the
+        model's); without copying. A received state must match it shard for shard, and its meshes rebuild the
+        shards received."""
+
 
 @dataclass(frozen=True)
 class _TensorSlot:
@@ -59,6 +68,9 @@ class _ShardSlot(_TensorSlot):
     placements: tuple
     global_shape: tuple
     stride: tuple
+    mesh_dims: tuple | None
+    """The donor mesh's dimension names (torchtitan's `("fsdp", "tp")`): the receiver's mesh of the same names
+    rebuilds it."""
 
 
 _SKELETON_TYPES = (_TensorSlot, _ShardSlot, pathlib.PurePosixPath, pathlib.PosixPath)
@@ -126,7 +138,7 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
         local = obj.to_local()
         tensors.append(local)
         return _ShardSlot(len(tensors) - 1, tuple(local.shape), local.dtype, local.device.type == "cpu",
-                          tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()))
+                          tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()), obj.device_mesh.mesh_dim_names)
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return _TensorSlot(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type == "cpu")
@@ -137,23 +149,69 @@ def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _join(obj: Any, tensors: list[torch.Tensor], mesh: Any) -> Any:
+def _join(obj: Any, tensors: list[torch.Tensor], meshes: dict) -> Any:
+    """The received state: each slot's tensor, each shard rebuilt on this replica's mesh of the donor's dimension
+    names (`meshes`, found by `check_layout`)."""
     if isinstance(obj, _ShardSlot):
-        if mesh is None:
-            raise ProtocolError("heal", "the donor sent sharded state, but this replica's provider names no "
-                                "device_mesh")
         from torch.distributed.tensor import DTensor  # loaded already: this replica's own state is sharded
 
         local = tensors[obj.index]
-        return DTensor.from_local(local.cpu() if obj.on_cpu else local, mesh, obj.placements, run_check=False,
-                                  shape=torch.Size(obj.global_shape), stride=obj.stride)
+        return DTensor.from_local(local.cpu() if obj.on_cpu else local, meshes[obj.mesh_dims], obj.placements,
+                                  run_check=False, shape=torch.Size(obj.global_shape), stride=obj.stride)
     if isinstance(obj, _TensorSlot):
         return tensors[obj.index].cpu() if obj.on_cpu else tensors[obj.index]
     if isinstance(obj, dict):
-        return type(obj)((k, _join(v, tensors, mesh)) for k, v in obj.items())
+        return type(obj)((k, _join(v, tensors, meshes)) for k, v in obj.items())
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_join(v, tensors, mesh) for v in obj)
+        return type(obj)(_join(v, tensors, meshes) for v in obj)
     return obj
+
+
+def _layout(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, tuple]]:
+    """(path, (mesh dimension names, placements, global shape, shard shape)) of every sharded tensor in a state
+    (DTensors) or a skeleton (`_ShardSlot`s)."""
+    if isinstance(obj, _ShardSlot):
+        yield path, (obj.mesh_dims, obj.placements, obj.global_shape, obj.shape)
+    elif is_dtensor(obj):
+        yield path, (obj.device_mesh.mesh_dim_names, tuple(obj.placements), tuple(obj.shape),
+                     tuple(obj.to_local().shape))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _layout(v, (*path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _layout(v, (*path, i))
+
+
+def check_layout(skeleton: dict, own: dict) -> dict:
+    """Refuse a donor's state whose shards are not this replica's (`own`: its `sharded()` state), before any tensor
+    moves: every sharded tensor this replica holds must arrive with the same mesh dimensions, placements and shapes,
+    and every shard the donor sends must have a mesh of its dimension names here. Returns those meshes by name."""
+    meshes = {t.device_mesh.mesh_dim_names: t.device_mesh for t in _dtensors(own)}
+    theirs = dict(_layout({k: skeleton.get(k) for k in own}))
+    for path, mine in _layout(own):
+        if theirs.get(path) != mine:
+            raise ProtocolError("heal", f"the donor's shard of {'.'.join(map(str, path))} is {theirs.get(path)} "
+                                f"(mesh dimensions, placements, global and shard shape), this replica's is {mine}: "
+                                "every replica must be built with the same parallelism over the same number of "
+                                "procs")
+    for path, (dims, *_) in _layout(skeleton):
+        if dims not in meshes:
+            raise ProtocolError("heal", f"the donor sent {'.'.join(map(str, path))} sharded over a mesh "
+                                f"{dims}, which this replica does not have: every replica must be built with the "
+                                "same parallelism")
+    return meshes
+
+
+def _dtensors(obj: Any) -> Iterator[Any]:
+    if is_dtensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _dtensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _dtensors(v)
 
 
 HEAL_FLOOR_S = 10.0
@@ -225,6 +283,7 @@ def transfer_state(
         header = bcast(torch.zeros(2, dtype=torch.int64), HEAL_FLOOR_S)
         skeleton_bytes, bound_s = int(header[0]), int(header[1]) / 1000
         skeleton_obj = _load_skeleton(bcast(torch.empty(skeleton_bytes, dtype=torch.uint8), bound_s).numpy().tobytes())
+        meshes = check_layout(skeleton_obj, provider.sharded())
     if fault_point is not None:
         fault_point("heal_donor" if share is not None else "heal_recipient")
 
@@ -243,7 +302,7 @@ def transfer_state(
     moved = Moved(sum(t.numel() * t.element_size() for t in payload) + skeleton_bytes, time.monotonic() - t0, bound_s)
     if share is not None:
         return None, moved
-    return _join(skeleton_obj, payload, getattr(provider, "device_mesh", None)), moved
+    return _join(skeleton_obj, payload, meshes), moved
 
 
 def _load_skeleton(raw: bytes) -> Any:
@@ -251,10 +310,10 @@ def _load_skeleton(raw: bytes) -> Any:
     DTensor placements and the types named in `_SKELETON_TYPES` only. Whatever else a skeleton names is refused, not run: a process that took
     the donor's place (or a front end's state holding an object) fails the heal with the type named."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import Partial
+    from torch.distributed.tensor.placement_types import Partial, _StridedShard  # FSDP over TP's shards: strided
 
     try:
-        with torch.serialization.safe_globals([*_SKELETON_TYPES, Shard, Replicate, Partial]):
+        with torch.serialization.safe_globals([*_SKELETON_TYPES, Shard, Replicate, Partial, _StridedShard]):
             return torch.load(io.BytesIO(raw), weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch's UnpicklingError names the type it refused
         raise ProtocolError("heal", f"the donor's state holds a type a heal does not carry ({_first_line(e)}): keep "

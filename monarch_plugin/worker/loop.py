@@ -26,7 +26,6 @@ from monarch_plugin.config import ElasticConfig
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
-from monarch_plugin.worker.dtensors import is_dtensor
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
@@ -284,11 +283,10 @@ class ElasticLoop:
         if self.extra_state is not None and "extra" in state:
             self.extra_state.load_state_dict(state["extra"])
 
-    @property
-    def device_mesh(self):
-        """The mesh a model sharded over the replica's procs (FSDP2's `fully_shard`) lies on, which a heal rebuilds
-        the shards it receives on; None for a model each proc holds whole."""
-        return next((p.device_mesh for p in self.model.parameters() if is_dtensor(p)), None)
+    def sharded(self) -> dict:
+        """The model's state as held now (sharded over the replica's procs by FSDP2's `fully_shard`, or whole): a heal
+        checks a donor's shards against it and rebuilds them on its meshes."""
+        return {"model": self.model.state_dict()}
 
     @property
     def _device(self) -> torch.device:

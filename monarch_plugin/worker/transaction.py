@@ -38,7 +38,6 @@ import torch.distributed as dist
 from monarch_plugin.protocol import Action, Phase
 from monarch_plugin.handshake import CollectiveInterrupted, ProtocolError
 from monarch_plugin.worker.context import WorkerContext
-from monarch_plugin.worker.dtensors import is_dtensor
 from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer
 from monarch_plugin.worker.session import ReplicaSession, StopReplica
@@ -303,11 +302,9 @@ class TrainingState:
     schedulers: list = []
     """The learning-rate schedulers, if any (anything with `state_dict` and `load_state_dict`)."""
 
-    @property
-    def device_mesh(self):
-        """Where received shards are rebuilt: the mesh of the modules' first sharded (FSDP's DTensor) parameter; None
-        for an unsharded model."""
-        return next((p.device_mesh for m in self.modules for p in m.parameters() if is_dtensor(p)), None)
+    def sharded(self) -> dict:
+        """The modules' state as held now: a heal checks a donor's shards against it and rebuilds them on its meshes."""
+        return {"model": [m.state_dict() for m in self.modules]}
 
     def catching_up(self) -> bool:
         return False

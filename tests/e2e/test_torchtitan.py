@@ -80,25 +80,29 @@ def _final_records(steps: dict[tuple[int, int], list[dict]]) -> dict[int, list[d
     """Per step, the records of the generation that last committed it (a step a dead replica committed alone
     is redone by the survivors' next generation)."""
     by_step: dict[int, list[dict]] = {}
-    for records in steps.values():
+    for (replica, local), records in steps.items():
         for r in records:
-            by_step.setdefault(r["step"], []).append(r)
+            by_step.setdefault(r["step"], []).append({**r, "replica": replica, "local": local})
     return {s: [r for r in rs if r["generation"] == max(x["generation"] for x in rs)] for s, rs in by_step.items()}
 
 
-@pytest.mark.timeout(420)
-def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run(titan_run):
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("procs, tp", [pytest.param(2, 2, id="tp2"), pytest.param(4, 2, id="fsdp2_tp2")])
+def test_sigkilled_worker_shrinks_regrows_heals_shard_by_shard_and_matches_an_uninterrupted_run(titan_run, procs, tp):
+    """A replica of `procs` procs is a (procs / tp) x tp FSDP x TP mesh; the procs of a TP group read the same data."""
+    layout = ("--monarch.procs_per_replica", str(procs), "--parallelism.tensor_parallel_degree", str(tp))
+    global_batch = 2 * (procs // tp) * 2  # local batch 2 x data-parallel procs x replicas
     # Both deterministic (torchtitan's determinism setup must keep the CPU attention stand-in); the reference also
     # profiles and writes TensorBoard, whose files each replica must keep apart, and leaves the events where
     # they default to.
-    run = titan_run().start("--probe.shrunk_steps", "2", "--debug.deterministic")
+    run = titan_run().start(*layout, "--probe.shrunk_steps", "2", "--debug.deterministic")
     reference = titan_run().start(
-        "--debug.deterministic", "--profiler.enable_profiling", "--profiler.profile_freq", str(STEPS),
+        *layout, "--debug.deterministic", "--profiler.enable_profiling", "--profiler.profile_freq", str(STEPS),
         "--profiler.profiler_warmup", "1", "--metrics.enable_tensorboard", default_events_path=True)
     run.wait_for(lambda: run.progress(0) >= 3, timeout=300, what="replica 0 to commit step 3")
     pids = run.pids()
-    # Local rank 1 of replica 0: a shard holder of the generation's rank 0, the replica that seeded the others.
-    victim = next(r["pid"] for r in run.steps()[0, 1])
+    # The last proc of replica 0: a shard holder of the generation's rank 0, the replica that seeded the others.
+    victim = next(r["pid"] for r in run.steps()[0, procs - 1])
     assert victim in pids[0]
     os.kill(victim, signal.SIGKILL)
 
@@ -109,32 +113,36 @@ def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run
     assert [d["replica"] for d in run.events("death")] == [0]
     assert [q["members"] for q in run.events("quorum")] == [[0, 1], [1], [1, 2]]
     heals = [h for h in run.events("heal") if 2 in h["recipients"]]
-    assert {h["source"] for h in heals} == {"replica1.0", "replica1.1"}
+    assert {h["source"] for h in heals} == {f"replica1.{k}" for k in range(procs)}
     # The survivor was never restarted; it and the replacement finished every step, holding identical shards.
     outcome = run.outcome()
-    assert set(outcome) == {(1, 0), (1, 1), (2, 0), (2, 1)}, run.output
+    assert set(outcome) == {(r, k) for r in (1, 2) for k in range(procs)}, run.output
     assert {o["step"] for o in outcome.values()} == {STEPS}
-    assert {outcome[1, 0]["pid"], outcome[1, 1]["pid"]} == set(pids[1])
-    for local in (0, 1):
+    assert {outcome[1, k]["pid"] for k in range(procs)} == set(pids[1])
+    for local in range(procs):
         assert outcome[1, local]["checksum"] == outcome[2, local]["checksum"]
-    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
+    assert len({outcome[1, k]["checksum"] for k in range(procs)}) == procs  # each proc holds a shard of its own
+    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * global_batch * SEQ_LEN}
 
     final = _final_records(run.steps())
     assert sorted(final) == list(range(1, STEPS + 1))
     # The survivor trained on by itself (the global batch cut over one replica) before the regrow.
     shrunk = [s for s, records in final.items() if {r["replicas"] for r in records} == {1}]
     assert len(shrunk) >= 2 and {r["step"] for r in run.steps()[2, 0]} >= {STEPS}
-    # The loader is sharded by the live replicas: each step trained its whole global batch exactly once. A
-    # killed proc may have committed a step and died before writing its record of it, so a step may lack
-    # the killed replica's records, and only those: the survivor's records are the witness of what it trained.
+    # The loader is sharded by the live replicas and, inside one, by its data-parallel procs (a TP group reads
+    # the same samples): each step trained its whole global batch exactly once. A killed proc may have committed
+    # a step and died before writing its record of it, so a step may lack the killed replica's records, and only
+    # those: the survivor's records are the witness of what it trained.
     for step, records in final.items():
-        samples = sorted(i for r in records for i in r["samples"])
-        batch = set(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
+        readers: dict[tuple[int, int], list[int]] = {}
+        for r in records:
+            assert readers.setdefault((r["replica"], r["local"] // tp), r["samples"]) == r["samples"], (step, r)
+        samples = sorted(i for share in readers.values() for i in share)
+        batch = set(range((step - 1) * global_batch, step * global_batch))
         assert len(samples) == len(set(samples)) and set(samples) <= batch, (step, records)
-        procs = records[0]["replicas"] * 2
-        unrecorded = procs - len(records)
-        assert len(batch - set(samples)) == unrecorded * GLOBAL_BATCH // procs, (step, records)
-        if unrecorded:  # only in the generation the kill ended, and witnessed by the survivor
+        unread = records[0]["replicas"] * procs // tp - len(readers)
+        assert len(batch - set(samples)) == unread * global_batch * tp // (records[0]["replicas"] * procs), step
+        if len(records) < records[0]["replicas"] * procs:  # only in the generation the kill ended
             assert records[0]["generation"] == run.events("death")[0]["gen"], (step, records)
             assert {r["pid"] for r in records} & set(pids[1]), (step, records)
     # The loss continues from where it was: step for step, the uninterrupted run's (same seed, same batches).
@@ -151,7 +159,7 @@ def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run
     traces = sorted(p.relative_to(reference.out).as_posix()
                     for p in (reference.out / "profiling").rglob("*.json.gz"))
     assert traces == [f"profiling/traces/replica_{r}/iteration_{STEPS}/rank{k}_trace.json.gz"
-                      for r in (0, 1) for k in (0, 1)]
+                      for r in (0, 1) for k in range(procs)]
     for replica in (0, 1):
         assert len(list((reference.out / "tb" / f"replica_{replica}").rglob("events.out.tfevents.*"))) == 1
     assert not list((reference.out / "tb").glob("*/events.out.tfevents.*"))  # none outside a replica folder
@@ -159,8 +167,8 @@ def test_sigkilled_worker_shrinks_regrows_heals_and_matches_an_uninterrupted_run
     # process writes its own where torchtitan puts it.
     logs = sorted(re.sub(r"\.\d{8}-\d{6}-\w{6}\.jsonl$", "", p.relative_to(reference.out).as_posix())
                   for p in reference.out.rglob("structured_logs/*.jsonl"))
-    assert logs == [*(f"replica_{r}/structured_logs/training.global_rank_{k}" for r in (0, 1) for k in (0, 1)),
-                    "structured_logs/training.global_rank_0"], logs
+    assert logs == [*(f"replica_{r}/structured_logs/training.global_rank_{k}"
+                      for r in (0, 1) for k in range(procs)), "structured_logs/training.global_rank_0"], logs
 
     # No orphans: every worker process the runs spawned is gone.
     for replica_pids in [*run.pids().values(), *reference.pids().values()]:
@@ -328,8 +336,15 @@ def test_monarch_section_parses_from_the_command_line():
 @pytest.mark.parametrize("change, message", [
     ({"parallelism": ParallelismConfig(pipeline_parallel_degree=2, spmd_backend="partial_dtensor")},
      r"--monarch.enable does not support pipeline parallelism \(--parallelism.pipeline_parallel_degree 2\)"),
-    ({"parallelism": ParallelismConfig(tensor_parallel_degree=2, spmd_backend="partial_dtensor")},
-     r"tensor parallelism \(--parallelism.tensor_parallel_degree 2\)"),
+    ({"parallelism": ParallelismConfig(context_parallel_degree=2, spmd_backend="partial_dtensor")},
+     r"context parallelism \(--parallelism.context_parallel_degree 2\)"),
+    ({"parallelism": ParallelismConfig(expert_parallel_degree=2, spmd_backend="partial_dtensor")},
+     r"expert parallelism \(--parallelism.expert_parallel_degree 2\)"),
+    ({"parallelism": ParallelismConfig(tensor_parallel_degree=4, spmd_backend="partial_dtensor")},
+     r"--parallelism.tensor_parallel_degree 4 does not divide --monarch.procs_per_replica 2"),
+    ({"parallelism": ParallelismConfig(tensor_parallel_degree=2, data_parallel_shard_degree=2,
+                                       spmd_backend="partial_dtensor")},
+     r"does not match --parallelism.data_parallel_shard_degree 2 x --parallelism.tensor_parallel_degree 2"),
     ({"parallelism": ParallelismConfig(data_parallel_shard_degree=4, spmd_backend="partial_dtensor")},
      r"--monarch.procs_per_replica 2 does not match --parallelism.data_parallel_shard_degree 4"),
     ({"parallelism": ParallelismConfig(data_parallel_replicate_degree=2, spmd_backend="partial_dtensor")},
@@ -341,7 +356,11 @@ def test_monarch_section_parses_from_the_command_line():
     ({"monarch": MonarchConfig(enable=True, fault="sigkill:step=x")}, r"--monarch.fault: bad fault field"),
     ({"monarch": MonarchConfig(enable=True, hosts=["10.0.0.2:26600"])}, r"--monarch.hosts: '10.0.0.2:26600' is not"),
     ({"monarch": MonarchConfig(enable=True, procs_per_replica=2, max_replicas=8)},
-     r"leaves some of up to 16 procs .* raise --training.local_batch_size"),
+     r"leaves some of up to 16 data-parallel procs .* raise --training.local_batch_size"),
+    ({"monarch": MonarchConfig(enable=True, procs_per_replica=2, max_replicas=5),
+      "parallelism": ParallelismConfig(tensor_parallel_degree=2, spmd_backend="partial_dtensor")},
+     r"a micro-batch of 4 samples .* 1 data-parallel procs .* up to 5 data-parallel procs "
+     r"\(--monarch.max_replicas x --monarch.procs_per_replica / --parallelism.tensor_parallel_degree\)"),
 ])
 def test_bad_monarch_settings_fail_at_parse_time_naming_the_field(change, message):
     with pytest.raises(ValueError, match=message):

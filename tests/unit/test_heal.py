@@ -1,4 +1,4 @@
-"""`worker.heal`: the heal's bound, its donors (holders of the run's state only) and its shares."""
+"""`worker.heal`: the heal's bound, its donors (holders of the run's state only), its shares and its shard check."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_a_skeleton_is_read_as_data_and_one_naming_other_code_is_refused_not_run
         return buffer.getvalue()
 
     skeleton = {"w": _TensorSlot(0, (2, 3), torch.float32, True), "rng": rng_state(torch.device("cpu")),
-                "s": _ShardSlot(1, (2,), torch.bfloat16, False, (Shard(0), Replicate()), (4,), (1,)),
+                "s": _ShardSlot(1, (2,), torch.bfloat16, False, (Shard(0), Replicate()), (4,), (1,), ("fsdp", "tp")),
                 "optimizer": [{"lr": 0.1, "betas": (0.9, 0.999), "name": None}], "python": random.getstate(),
                 "callbacks": {"SpikeDetection": {"exclude_batches_path": pathlib.Path("/runs/a")}}}
     back = _load_skeleton(wire({**skeleton, "rng": {**skeleton["rng"], "torch": _TensorSlot(2, (8,), torch.uint8,
@@ -95,3 +95,48 @@ def test_a_skeleton_is_read_as_data_and_one_naming_other_code_is_refused_not_run
     with pytest.raises(ProtocolError, match="a heal does not carry"):
         _load_skeleton(wire({"w": skeleton["w"], "x": _RunsCode()}))
     assert "ran code" not in capsys.readouterr().out
+
+
+@pytest.fixture
+def one_proc_group():
+    """A real one-proc gloo group over an in-memory store (nothing listens), for building DTensors."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_donor_whose_shards_are_not_this_replicas_is_refused_before_any_tensor_moves(one_proc_group):
+    """TP x FSDP: the receiver checks mesh dimensions, placements and shapes of every shard it holds against the
+    donor's skeleton, and rebuilds each shard on its own mesh of the donor's dimension names."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from monarch_plugin.handshake import ProtocolError
+    from monarch_plugin.worker.heal import _join, _split, check_layout
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("fsdp", "tp"))
+    own = {"model": [{"w": DTensor.from_local(torch.ones(4, 2), mesh, (Shard(0), Shard(1))), "b": torch.zeros(2)}]}
+    tensors: list = []
+    skeleton = _split({**own, "optimizers": [{"exp_avg": own["model"][0]["w"]}]}, tensors)
+    meshes = check_layout(skeleton, own)
+    assert meshes == {("fsdp", "tp"): mesh}
+    back = _join(skeleton, tensors, meshes)
+    assert back["optimizers"][0]["exp_avg"].placements == (Shard(0), Shard(1))
+
+    replicated = {"model": [{"w": DTensor.from_local(torch.ones(4, 2), mesh, (Shard(0), Replicate())),
+                             "b": torch.zeros(2)}]}
+    with pytest.raises(ProtocolError, match=r"the donor's shard of model.0.w is .*Replicate.* this replica's is "
+                                            r".*Shard\(dim=1\).*the same parallelism"):
+        check_layout(_split(replicated, []), own)
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+    flat = {"model": [{"w": DTensor.from_local(torch.ones(4, 2), other, (Shard(0),)), "b": torch.zeros(2)}]}
+    with pytest.raises(ProtocolError, match=r"model.0.w"):
+        check_layout(_split(flat, []), own)
+    unsharded = {"model": [{"w": torch.ones(4, 2), "b": torch.zeros(2)}]}
+    with pytest.raises(ProtocolError, match=r"model.0.w is None"):
+        check_layout(_split(unsharded, []), own)
