@@ -5,17 +5,19 @@
 PATH is the `features` list of torchtitan's integration tests at the installed version (torchtitan 0.3.0 ships it
 as `torchtitan_recipes/tests/features.py`, the default): one config function per test, each a full
 `Trainer.Config` written for GPUs. Each is made to run on this machine as this repo's `llama3_debugmodel_cpu` is
-(the tokenizer and corpus under `recipes/data/torchtitan`, local batch 2, sequences of 128, float32, spmd_types'
-type checking off: on torch 2.13 it rejects FSDP's own autograd function with or without the plugin; its
-parallelism, checkpoint, compile and other settings kept, its accumulation steps too), with `--monarch.enable`: 2
-replicas of 1 proc each (the sets pick the `spmd_types` backend, which cannot shard a replica over procs with
-torch 2.13's FSDP: a set that shards explicitly is refused), `--monarch.min_replicas 1`, and replica 1
-SIGKILLing itself at step 4 of 12 (`--monarch.fault`, a real SIGKILL). A `*_load` set resumes its `*_save` set's
-checkpoint at step 12 and trains to 20, the kill at 16 (one that loads only the model starts again at step 1).
-A set *survives* when the run exits 0 with that death, a replacement healed from the survivor, the first step
-committed where it should be, and the last logged loss of every replica that finished equal; it is *refused*
-when the front end stops it before anything is spawned, with the reason it gives. A set whose elastic run fails
-is run again without the plugin (torchrun, 1 proc): when that fails too, it is a set this machine cannot run.
+(the tokenizer and corpus under `recipes/data/torchtitan`, local batch 2, sequences of 128 x the context parallel
+degree, float32, spmd_types' type checking off: on torch 2.13 it rejects FSDP's own autograd function with or
+without the plugin; its parallelism, checkpoint, compile and other settings kept, its accumulation steps too), with
+`--monarch.enable`: 2 replicas of 1 proc each, or of the set's tensor x context parallel degree on the
+`partial_dtensor` backend (the sets pick `spmd_types`, which cannot FSDP-shard a replica over procs with torch
+2.13: a set that shards explicitly is refused),
+`--monarch.min_replicas 1`, and replica 1 SIGKILLing itself at step 4 of 12 (`--monarch.fault`, a real SIGKILL).
+A `*_load` set resumes its `*_save` set's checkpoint at step 12 and trains to 20, the kill at 16 (one that loads
+only the model starts again at step 1). A set *survives* when the run exits 0 with that death, a replacement healed
+from the survivor, the first step committed where it should be, and the last logged loss of every replica that
+finished equal; it is *refused* when the front end stops it before anything is spawned, with the reason it gives. A
+set whose elastic run fails is run again without the plugin (torchrun, one replica's procs): when that fails too,
+it is a set this machine cannot run.
 This module is also the runs' `--module`: `--config <name>` is torchtitan's function of that name, converted
 (`__getattr__`).
 """
@@ -73,12 +75,17 @@ def elastic(name: str, base, root: Path):
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if f.init}
     # The sets are written for GPUs: `global_batch_size` over 2 of them asks for accumulation steps, kept here.
     accumulate = max(1, base.training.global_batch_size // (2 * base.training.local_batch_size))
-    shard = base.parallelism.data_parallel_shard_degree
-    procs = 1 if shard in (1, -1) else 2  # the sets' spmd_types backend cannot shard a replica (refused)
-    training = dataclasses.replace(base.training, local_batch_size=2, seq_len=128, steps=STEPS + 8 * bool(saved),
+    shard, tp = base.parallelism.data_parallel_shard_degree, base.parallelism.tensor_parallel_degree
+    cp = base.parallelism.context_parallel_degree
+    dp = 1 if shard in (1, -1) else 2  # the sets' spmd_types backend cannot shard a replica (refused)
+    training = dataclasses.replace(base.training, local_batch_size=2, seq_len=128 * cp,  # CPU CP: 128 per proc
+                                   steps=STEPS + 8 * bool(saved),
                                    mixed_precision_param="float32",
-                                   global_batch_size=2 * 2 * procs * accumulate if accumulate > 1 else -1)
-    parallelism = dataclasses.replace(base.parallelism, data_parallel_shard_degree=-1 if shard == -1 else procs)
+                                   global_batch_size=2 * 2 * dp * accumulate if accumulate > 1 else -1)
+    # A TP or CP set's spmd_types backend fails on torch 2.13 with or without the plugin (torchrun, 2 procs: "all
+    # parameters must be DTensors on the full SPMD mesh"): it runs on the partial_dtensor backend here.
+    parallelism = dataclasses.replace(base.parallelism, data_parallel_shard_degree=-1 if shard == -1 else dp,
+                                      **({"spmd_backend": "partial_dtensor"} if tp * cp > 1 else {}))
     # spmd_types' type checking rejects FSDP's own RegisterPostBackwardFunction on torch 2.13, with or without
     # the plugin (torchrun, 1 proc): a checking aid, off here so that the set's training features run.
     debug = dataclasses.replace(base.debug, spmd_typechecking=False)
@@ -90,7 +97,7 @@ def elastic(name: str, base, root: Path):
         **fields, "hf_assets_path": cpu.hf_assets_path, "dump_folder": str(root / (saved or name)),
         "training": training, "parallelism": parallelism, "debug": debug, "checkpoint": checkpoint,
         "dataloader": cpu.dataloader if type(base.dataloader) is type(cpu.dataloader) else base.dataloader,
-        "monarch": MonarchConfig(enable=True, replicas=2, min_replicas=1, procs_per_replica=procs,
+        "monarch": MonarchConfig(enable=True, replicas=2, min_replicas=1, procs_per_replica=dp * cp * tp,
                                  fault=f"sigkill:replica=1:step={KILL_AT + STEPS * bool(saved)}",
                                  join_timeout_s=600),
     })
@@ -127,13 +134,13 @@ def _error(text: str) -> str | None:
     return error[-1].strip()[:200] if error else None
 
 
-def _plain(name: str, env: dict, root: Path) -> str | None:
-    """Set `name` without the plugin (`--monarch.no-enable`, torchrun with 1 proc): None when it trains, else its
-    error, which tells a set this machine's torch cannot run from one the plugin breaks."""
+def _plain(name: str, procs: int, env: dict, root: Path) -> str | None:
+    """Set `name` without the plugin (`--monarch.no-enable`, torchrun with one replica's procs): None when it
+    trains, else its error, which tells a set this machine's torch cannot run from one the plugin breaks."""
     out = root / f"{name}.plain"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "torchtitan.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "-m", "torchtitan.train",
            "--module", "torchtitan_features", "--config", name, "--monarch.no-enable",
            "--dump_folder", str(out)]
     with open(out / "run.log", "w") as log:
@@ -170,9 +177,10 @@ def _run(name: str, path: str, root: Path) -> str:
             return f"FAILED: no end within 900 s, see {out / 'run.log'}"
     text = (out / "run.log").read_text()
     if rc != 0:
-        plain = _plain(name, env, root)
+        procs = config.monarch.procs_per_replica
+        plain = _plain(name, procs, env, root)
         if plain is not None:
-            return f"fails without the plugin too (torchrun, 1 proc): {plain}"
+            return f"fails without the plugin too (torchrun, {procs} proc(s)): {plain}"
         return f"FAILED: exit {rc}: {_error(text) or 'see ' + str(out / 'run.log')}"
     found = read_events(str(events))
     deaths = [e for e in found if e["event"] == "death"]
@@ -223,6 +231,7 @@ def main() -> None:
     print("| flag set | outcome |\n|---|---|")
     for name, outcome in rows:
         print(f"| `{name}` | {outcome} |")
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(dict(rows), indent=1))
 
 

@@ -1,18 +1,23 @@
-"""Step time of one torchtitan job as plain torchtitan (torchrun, HSDP) and as `--monarch.enable`, side by side.
+"""Step time of one torchtitan job as plain torchtitan (torchrun, HSDP) and as `--monarch.enable`, side by side;
+with `--heal`, what healing a replacement replica of that shape moves and how long it takes.
 
     python benchmarks/torchtitan_overhead.py --procs-per-replica 2 --steps 40 --repeats 2
+    python benchmarks/torchtitan_overhead.py --procs-per-replica 4 --tp 2 --steps 20 --repeats 2 --heal
 
 What elasticity costs a failure-free torchtitan run with the same parallel dims: llama3's debug model
-(`--config llama3_debugmodel_cpu`), 2 replicas of `--procs-per-replica` FSDP procs, the same global batch and
-sequence length, gloo, one torch thread per proc. The plain side is torchtitan's own HSDP under torchrun
-(`data_parallel_replicate_degree 2` x `data_parallel_shard_degree k`, FSDP reducing across replicas inside
-backward); the elastic side is `python -m torchtitan.train ... --monarch.enable` (each replica an FSDP group,
-the cross-replica sum one transaction after backward, the loader reading the global batch on every proc).
+(`--config llama3_debugmodel_cpu`), 2 replicas of `--procs-per-replica` procs (an FSDP x TP mesh: `k / tp` x
+`tp`), the same global batch and sequence length, gloo, one torch thread per proc. The plain side is torchtitan's
+own HSDP (x TP) under torchrun (`data_parallel_replicate_degree 2` x `data_parallel_shard_degree k / tp` x
+`tensor_parallel_degree tp`, FSDP reducing across replicas inside backward); the elastic side is
+`python -m torchtitan.train ... --monarch.enable` (each replica an FSDP x TP mesh, the cross-replica sum one
+transaction after backward, the loader reading the global batch on every proc). `--heal` adds one elastic run
+whose replica 1 SIGKILLs itself (`--monarch.fault`) and reads its replacement's heal from the `heal` events: one
+per proc, each from the donor proc holding the same shard.
 One invocation runs both, alternating `--repeats` times so the ratio shares one machine state. A step's time is
 the interval between the first "step: N" log lines (any rank) of consecutive steps, after a warm-up; a side's
 median and 10th percentile pool its runs' steps. On a machine shared with other work the median carries that
 work's noise; the 10th percentile (the side's unhindered pace) is the steadier estimate of the overhead.
-Writes <out>/torchtitan_overhead.json and prints a markdown table.
+Writes <out>/torchtitan_overhead.json (`_tp<N>.json` with TP) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -34,17 +39,28 @@ WARMUP = 5
 STEP_LINE = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*step:\s+(\d+)\s+.*loss:")
 
 
-def command(side: str, k: int, steps: int, seq_len: int, batch: int, work: Path) -> list[str]:
+def command(side: str, k: int, tp: int, steps: int, seq_len: int, batch: int, work: Path) -> list[str]:
     job = ["-m", "torchtitan.train", "--module", "monarch_plugin.integrations.torchtitan", "--config",
            "llama3_debugmodel_cpu", "--training.steps", str(steps), "--training.seq_len", str(seq_len),
            "--training.local_batch_size", str(batch), "--metrics.log_freq", "1", "--debug.seed", "0",
-           "--dump_folder", str(work)]
+           "--dump_folder", str(work), "--parallelism.tensor_parallel_degree", str(tp)]
     if side == "torchtitan":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(2 * k), *job,
                 "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
-                str(k)]
+                str(k // tp)]
+    fault = ["--monarch.fault", f"sigkill:replica=1:step={steps // 2}"] if side == "heal" else []
     return [sys.executable, *job, "--monarch.enable", "--monarch.replicas", "2", "--monarch.procs_per_replica",
-            str(k), "--monarch.events_path", str(work / "events.jsonl")]
+            str(k), "--monarch.events_path", str(work / "events.jsonl"), *fault]
+
+
+def heal_of(events: Path, k: int) -> dict:
+    """The replacement's heal, from the donors' `heal` events (one per proc): bytes summed, the slowest proc's time."""
+    heals = [e for e in map(json.loads, events.read_text().splitlines()) if e.get("event") == "heal"
+             and e["step"] > 0]
+    if len(heals) != k:
+        raise RuntimeError(f"expected one heal per proc ({k}), the events show {len(heals)}")
+    return {"bytes": sum(h["bytes"] for h in heals), "per_proc_bytes": [h["bytes"] for h in heals],
+            "seconds": max(h["seconds"] for h in heals), "transfer_s": max(h["transfer_s"] for h in heals)}
 
 
 def step_times(log: str, steps: int) -> list[float]:
@@ -64,20 +80,22 @@ def decile(values: list[float]) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--procs-per-replica", type=int, default=2, help="FSDP procs in each of the 2 replicas")
+    p.add_argument("--procs-per-replica", type=int, default=2, help="procs in each of the 2 replicas")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree inside a replica (divides the procs)")
+    p.add_argument("--heal", action="store_true", help="also time a replacement replica's heal")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2, help="per proc (training.local_batch_size)")
+    p.add_argument("--batch", type=int, default=2, help="per data-parallel rank (training.local_batch_size)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating")
     p.add_argument("--work", default="/tmp/monarch_plugin_torchtitan_bench")
     p.add_argument("--out", default=str(HERE / "results"))
     args = p.parse_args()
-    work, k = Path(args.work), args.procs_per_replica
+    work, k, tp = Path(args.work), args.procs_per_replica, args.tp
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     sides = ("torchtitan", "monarch")
-    results = {"replicas": 2, "procs_per_replica": k, "steps": args.steps, "seq_len": args.seq_len,
+    results = {"replicas": 2, "procs_per_replica": k, "tp": tp, "steps": args.steps, "seq_len": args.seq_len,
                "batch_per_proc": args.batch, "repeats": args.repeats,
                **{side: {"step_s": [], "median_s": [], "wall_s": []} for side in sides}}
     for repeat in range(args.repeats):  # alternating, so a slow spell of the machine hits both sides
@@ -85,11 +103,7 @@ def main() -> None:
             run = work / f"{side}-{repeat}"
             run.mkdir()
             t0 = time.monotonic()
-            done = subprocess.run(command(side, k, args.steps, args.seq_len, args.batch, run), cwd=run, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            (run / "run.log").write_text(done.stdout)
-            if done.returncode:
-                raise SystemExit(f"{side} run failed ({done.returncode}); log in {run / 'run.log'}")
+            done = launch(side, k, tp, args, run, env)
             results[side]["wall_s"].append(time.monotonic() - t0)
             steps = step_times(done.stdout, args.steps)
             results[side]["step_s"] += steps
@@ -101,9 +115,24 @@ def main() -> None:
         results[side]["p10_step_s"] = decile(results[side]["step_s"])
     results["ratio"] = results["monarch"]["median_step_s"] / results["torchtitan"]["median_step_s"]
     results["ratio_p10"] = results["monarch"]["p10_step_s"] / results["torchtitan"]["p10_step_s"]
+    if args.heal:
+        run = work / "heal"
+        run.mkdir()
+        launch("heal", k, tp, args, run, env)
+        results["heal"] = heal_of(run / "events.jsonl", k)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "torchtitan_overhead.json").write_text(json.dumps(results, indent=2))
+    name = "torchtitan_overhead" + (f"_tp{tp}" if tp > 1 else "")
+    (Path(args.out) / f"{name}.json").write_text(json.dumps(results, indent=2))
     print(table(results))
+
+
+def launch(side: str, k: int, tp: int, args, run: Path, env: dict) -> subprocess.CompletedProcess:
+    done = subprocess.run(command(side, k, tp, args.steps, args.seq_len, args.batch, run), cwd=run, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    (run / "run.log").write_text(done.stdout)
+    if done.returncode:
+        raise SystemExit(f"{side} run failed ({done.returncode}); log in {run / 'run.log'}")
+    return done
 
 
 def table(r: dict) -> str:
@@ -113,15 +142,25 @@ def table(r: dict) -> str:
         return (f"| {label} | {r[side]['median_step_s'] * 1000:.0f} ms | {r[side]['p10_step_s'] * 1000:.0f} ms "
                 f"| {each} | {walls} |")
 
-    k = r["procs_per_replica"]
-    return "\n".join([
-        f"| llama3 debugmodel, 2 replicas x {k} FSDP proc(s), seq {r['seq_len']}, batch {r['batch_per_proc']}/proc, "
-        f"{r['steps']} steps | median step | 10th percentile | run medians (ms) | whole command per run (s) |",
+    k, tp = r["procs_per_replica"], r.get("tp", 1)
+    shape = f"{k // tp} FSDP x {tp} TP" if tp > 1 else f"{k} FSDP"
+    rows = [
+        f"| llama3 debugmodel, 2 replicas x {shape} proc(s), seq {r['seq_len']}, batch {r['batch_per_proc']} per "
+        f"{'data-parallel rank' if tp > 1 else 'proc'}, {r['steps']} steps | median step | 10th percentile "
+        "| run medians (ms) | whole command per run (s) |",
         "|---|---|---|---|---|",
-        row("torchtitan", f"torchtitan HSDP (torchrun, replicate 2 x shard {k})"),
+        row("torchtitan", f"torchtitan HSDP (torchrun, replicate 2 x shard {k // tp}"
+                          f"{f' x tp {tp}' if tp > 1 else ''})"),
         row("monarch", "`--monarch.enable`"),
         f"| ratio monarch / torchtitan | {r['ratio']:.2f} | {r['ratio_p10']:.2f} | | |",
-    ])
+    ]
+    if "heal" in r:
+        h = r["heal"]
+        rows.append(f"| heal of a replacement replica ({k} procs, each from its donor proc) | "
+                    f"{h['seconds'] * 1000:.0f} ms for {h['bytes'] / 1e6:.1f} MB | tensors "
+                    f"{h['transfer_s'] * 1000:.0f} ms | per proc "
+                    f"{', '.join(f'{b / 1e6:.1f}' for b in h['per_proc_bytes'])} MB | |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

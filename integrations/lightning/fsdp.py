@@ -7,6 +7,11 @@ the step in flight and go on, and a whole new replica is spawned. Each new proc 
 same shard in a live replica (the runtime's cross-replica groups pair procs by local rank), so no proc ever
 holds more than its shard.
 
+With `tensor_parallel_size` > 1 a replica is a 2-D mesh, `("data_parallel", "tensor_parallel")`, the shape of
+Lightning's `ModelParallelStrategy`: the LightningModule's `configure_model` reads it as `self.device_mesh` and
+applies its TP plan over `"tensor_parallel"` and FSDP over `"data_parallel"`; the procs of one TP group read the
+same samples. A heal checks each shard's mesh dimensions and placements against the donor's before moving it.
+
 Everything else is `MonarchStrategy`'s: the step transaction, the redo of an interrupted window, the global
 cursor, checkpoints by one writer. What differs: FSDP assigns its sharded gradients after its own
 reduce-scatter (no autograd hook fires), so the cross-replica reduction runs when backward returns; the
@@ -25,6 +30,7 @@ from typing_extensions import override
 
 import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
 from monarch_plugin.integrations.lightning.strategy import MonarchStrategy
+from monarch_plugin.worker.dtensors import is_dtensor
 
 __all__ = ["MonarchFSDPStrategy"]
 
@@ -38,6 +44,9 @@ class MonarchFSDPStrategy(MonarchStrategy):
             in Lightning's ``FSDPStrategy``; the LightningModule itself is always the root unit.
         reshard_after_forward: free gathered parameters after forward and gather again in backward (FSDP's
             ZeRO-3 behaviour); False keeps them until backward (ZeRO-2, more memory, less communication).
+        tensor_parallel_size: procs of a replica that split each layer (tensor parallelism), as in Lightning's
+            ``ModelParallelStrategy``; it divides ``procs_per_replica``. Above 1 the replica's procs form the
+            mesh ``("data_parallel", "tensor_parallel")`` that ``configure_model`` parallelizes the model over.
         **kwargs: everything `MonarchStrategy` takes (``min_replicas``, ``fault``, ``events_path``, ...);
             ``min_replicas`` and ``max_replicas`` count replicas, not procs.
     """
@@ -49,6 +58,7 @@ class MonarchFSDPStrategy(MonarchStrategy):
         procs_per_replica: int = 2,
         auto_wrap_policy: Optional[Iterable[type[torch.nn.Module]]] = None,
         reshard_after_forward: bool = True,
+        tensor_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -56,7 +66,14 @@ class MonarchFSDPStrategy(MonarchStrategy):
             raise MisconfigurationException(
                 f"MonarchFSDPStrategy(procs_per_replica={procs_per_replica!r}): give a positive number of procs"
             )
+        tp = tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1 or procs_per_replica % tp:
+            raise MisconfigurationException(
+                f"MonarchFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}) must divide procs_per_replica="
+                f"{procs_per_replica}: a replica's procs are its data-parallel x tensor-parallel mesh"
+            )
         self.procs_per_replica = procs_per_replica
+        self.tensor_parallel_size = tensor_parallel_size
         self.auto_wrap_policy = frozenset(auto_wrap_policy or ())
         self.reshard_after_forward = reshard_after_forward
         self.device_mesh = None
@@ -65,15 +82,39 @@ class MonarchFSDPStrategy(MonarchStrategy):
     # -- inside a replica -----------------------------------------------------------------------------------
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.tensor_parallel_size > 1 and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            tp = self.tensor_parallel_size
+            self.device_mesh = init_device_mesh(self.root_device.type, (self._ctx.procs_per_replica // tp, tp),
+                                                mesh_dim_names=("data_parallel", "tensor_parallel"))
+            self.lightning_module._device_mesh = self.device_mesh  # configure_model's `self.device_mesh`
+
+    @override
     def setup(self, trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING and self._ctx is not None:
             self._shard(self.lightning_module)  # before the optimizers exist: they must hold the shards
         super().setup(trainer)
 
+    def _data_parallel(self) -> tuple[int, int]:
+        tp = self.tensor_parallel_size
+        return self._ctx.local_rank // tp, self._ctx.procs_per_replica // tp
+
     def _shard(self, module: torch.nn.Module) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
+        if self.tensor_parallel_size > 1:
+            if not any(is_dtensor(p) for p in module.parameters()):
+                raise MisconfigurationException(
+                    f"MonarchFSDPStrategy(tensor_parallel_size={self.tensor_parallel_size}) leaves parallelizing "
+                    "the model to the LightningModule, as Lightning's ModelParallelStrategy does: in "
+                    "configure_model, apply your TP plan over self.device_mesh['tensor_parallel'] "
+                    "(parallelize_module) and FSDP over self.device_mesh['data_parallel'] (fully_shard)"
+                )
+            return
         self.device_mesh = init_device_mesh(self.root_device.type, (self._ctx.procs_per_replica,))
         if isinstance(module, FSDPModule):
             return  # sharded by the user (in configure_model)

@@ -36,6 +36,7 @@ from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerState
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
@@ -269,6 +270,14 @@ class _MonarchLauncher(Launcher):
             if loader is not None and not isinstance(loader, LightningDataModule):
                 check_training_loader(loader)
             check_callbacks(trainer.callbacks)
+        if fitting and getattr(self._strategy, "tensor_parallel_size", 1) > 1 and not is_overridden(
+                "configure_model", model):
+            raise MisconfigurationException(
+                f"{type(self._strategy).__name__}(tensor_parallel_size={self._strategy.tensor_parallel_size}) needs "
+                f"{type(model).__name__}.configure_model to parallelize the model, as Lightning's "
+                "ModelParallelStrategy does: apply your TP plan over self.device_mesh['tensor_parallel'] and FSDP "
+                "over self.device_mesh['data_parallel'] there"
+            )
         if fitting and not model.automatic_optimization:
             raise MisconfigurationException(
                 "MonarchStrategy redoes a step that a death interrupted (all of its accumulated micro-batches), "

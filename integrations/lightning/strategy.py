@@ -219,7 +219,7 @@ class MonarchStrategy(ParallelStrategy):
             return dataloader
         check_training_loader(dataloader)
         config = self._ctx.config
-        k = config.procs_per_replica
+        _, k = self._data_parallel()
         self._micro_batch_size = dataloader.batch_size * config.replicas * k
         n = len(dataloader.dataset)
         tail = n % self._micro_batch_size
@@ -228,8 +228,9 @@ class MonarchStrategy(ParallelStrategy):
         if self._micro_batch_size < procs or short_tail:
             raise MisconfigurationException(
                 f"a global batch of {self._micro_batch_size} (batch_size {dataloader.batch_size} x "
-                f"{config.replicas * k} devices) over {n} samples leaves some of up to {procs} devices without a "
-                "sample in a step: raise batch_size, or pass drop_last=True to the training DataLoader"
+                f"{config.replicas * k} data-parallel devices) over {n} samples leaves some of up to {procs} "
+                "devices without a sample in a step: raise batch_size, or pass drop_last=True to the training "
+                "DataLoader"
             )
         if self._sampler is None or self._sampler.num_samples != n:
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -258,9 +259,15 @@ class MonarchStrategy(ParallelStrategy):
         left = self.lightning_module.trainer.num_training_batches - done
         return self._sampler.window(self._micro_batch_size, min(self._accumulate - done % self._accumulate, left))
 
+    def _data_parallel(self) -> tuple[int, int]:
+        """This proc's rank among its replica's procs that read samples of their own, and their number: every proc
+        here (`MonarchFSDPStrategy` with tensor parallelism: one per TP group)."""
+        return self._ctx.local_rank, self._ctx.procs_per_replica
+
     def _cut(self, batch: list[int]) -> list[int]:
-        """This proc's samples of a global micro-batch: its replica's share, split over the replica's procs."""
-        return share(share(batch, self._tx.rank, self._tx.world), self._ctx.local_rank, self._ctx.procs_per_replica)
+        """This proc's samples of a global micro-batch: its replica's share, split over the replica's
+        data-parallel procs."""
+        return share(share(batch, self._tx.rank, self._tx.world), *self._data_parallel())
 
     def _share(self, micro: int) -> list[int]:
         return self._cut(self._window()[micro])
@@ -290,14 +297,13 @@ class MonarchStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """With several procs to a replica, each proc's loss is the mean over its own samples and the replica
-        averages its procs' gradients; weight each loss by its share so uneven splits still average right."""
-        if self._tx is not None and self._sampler is not None and self._ctx.procs_per_replica > 1:
+        """With several data-parallel procs to a replica, each proc's loss is the mean over its own samples and the
+        replica averages their gradients; weight each loss by its share so uneven splits still average right."""
+        readers = self._data_parallel()[1] if self._ctx is not None else 1
+        if self._tx is not None and self._sampler is not None and readers > 1:
             micro = self._micro - 1  # training_step has moved on to the next micro-batch
             replica_share = share(self._window()[micro], self._tx.rank, self._tx.world)
-            closure_loss = closure_loss * (
-                self._ctx.procs_per_replica * len(self._share(micro)) / len(replica_share)
-            )
+            closure_loss = closure_loss * (readers * len(self._share(micro)) / len(replica_share))
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override

@@ -75,9 +75,19 @@ MonarchConfig = _section()
 
 
 def data_parallel_procs(config: "MonarchTrainer.Config") -> int:
-    """A replica's procs that read data of their own: its FSDP shard degree, `procs_per_replica` over the tensor
-    parallel degree (the procs of one TP group read the same samples)."""
-    return config.monarch.procs_per_replica // config.parallelism.tensor_parallel_degree
+    """A replica's procs that read data of their own: its FSDP shard degree, `procs_per_replica` over the context
+    and tensor parallel degrees (the procs of one CP x TP group read the same samples)."""
+    return config.monarch.procs_per_replica // _model_parallel(config.parallelism)
+
+
+_MODEL_PARALLEL = ("context_parallel_degree", "tensor_parallel_degree")
+"""The dimensions of a replica's mesh whose procs read the same samples: context parallelism splits each sequence,
+tensor parallelism each layer."""
+
+
+def _model_parallel(parallelism) -> int:
+    """Procs of a replica that read the same samples: the context x tensor parallel degree."""
+    return parallelism.context_parallel_degree * parallelism.tensor_parallel_degree
 
 
 def micro_batch_size(config: "MonarchTrainer.Config") -> int:
@@ -111,35 +121,35 @@ def validate(config: "MonarchTrainer.Config") -> None:
         elastic_config(config)
     except ConfigError as e:
         raise ValueError(spell_fields(str(e), flag)) from e
-    k, tp = monarch.procs_per_replica, parallelism.tensor_parallel_degree
+    k, mp = monarch.procs_per_replica, _model_parallel(parallelism)
+    splits = " x ".join(f"--parallelism.{name} {getattr(parallelism, name)}" for name in _MODEL_PARALLEL
+                        if getattr(parallelism, name) > 1)
     unsupported = {
         "pipeline_parallel_degree": "pipeline parallelism",
-        "context_parallel_degree": "context parallelism",
         "expert_parallel_degree": "expert parallelism",
     }
     for field_name, what in unsupported.items():
         if getattr(parallelism, field_name) != 1:
             raise ValueError(
                 f"--monarch.enable does not support {what} (--parallelism.{field_name} "
-                f"{getattr(parallelism, field_name)}): a replica is an FSDP x TP mesh of --monarch.procs_per_replica "
-                f"procs (docs/torchtitan.md says why); set --parallelism.{field_name} 1"
+                f"{getattr(parallelism, field_name)}): a replica is an FSDP x CP x TP mesh of "
+                f"--monarch.procs_per_replica procs (docs/torchtitan.md says why); set --parallelism.{field_name} 1"
             )
-    if k % tp:
+    if k % mp:
         raise ValueError(
-            f"--parallelism.tensor_parallel_degree {tp} does not divide --monarch.procs_per_replica {k}: a replica's "
-            "procs are its FSDP x TP mesh; make procs_per_replica a multiple of the tensor parallel degree"
+            f"{splits} does not divide --monarch.procs_per_replica {k}: a replica's procs are its FSDP x CP x TP "
+            "mesh; make procs_per_replica a multiple of it"
         )
     if parallelism.data_parallel_replicate_degree != 1:
         raise ValueError(
             f"--parallelism.data_parallel_replicate_degree {parallelism.data_parallel_replicate_degree} with "
             "--monarch.enable: the replicas are the replicate dimension; set it to 1 and use --monarch.replicas"
         )
-    tp = parallelism.tensor_parallel_degree
-    if parallelism.data_parallel_shard_degree not in (-1, k // tp):
+    if parallelism.data_parallel_shard_degree not in (-1, k // mp):
         raise ValueError(
             f"--monarch.procs_per_replica {k} does not match --parallelism.data_parallel_shard_degree "
-            f"{parallelism.data_parallel_shard_degree} x --parallelism.tensor_parallel_degree {tp}: a replica's "
-            "procs are its FSDP x TP mesh; make them equal (or leave the shard degree at -1)"
+            f"{parallelism.data_parallel_shard_degree}{' x ' + splits if splits else ''}: a replica's procs are its "
+            "FSDP x CP x TP mesh; make them equal (or leave the shard degree at -1)"
         )
     if parallelism.spmd_backend == "spmd_types" and k > 1:
         raise ValueError(
@@ -155,7 +165,8 @@ def validate(config: "MonarchTrainer.Config") -> None:
         raise ValueError(f"--comm.mode {config.comm.mode} has no real processes to fail: drop --monarch.enable")
     per_step = micro_batch_size(config)
     total = global_batch_size(config)
-    readers = "--monarch.procs_per_replica" + (" / --parallelism.tensor_parallel_degree" if tp > 1 else "")
+    readers = "--monarch.procs_per_replica" + "".join(f" / --parallelism.{name}" for name in _MODEL_PARALLEL
+                                                      if getattr(parallelism, name) > 1)
     if total % per_step:
         raise ValueError(
             f"--training.global_batch_size {total} is not a multiple of --training.local_batch_size x "

@@ -141,19 +141,21 @@ def test_sigkill_of_rank_zero_mid_epoch_fit_survives_with_exact_steps_data_and_c
         assert not any(alive(pid) for pid in replica_pids)
 
 
-@pytest.mark.timeout(240)
-def test_fsdp_replica_loses_one_proc_and_is_replaced_whole(lightning_run):
-    # 2 replicas x 2 FSDP procs. 102 samples in global batches of 16: the epoch's last batch of 6 splits 3+3
-    # over two replicas and then 2+1 over a replica's procs, so uneven shares are weighted right too.
-    common = ("--devices", "4", "--batch", "4", "--samples", "102", "--epochs", "10")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("procs, tp", [pytest.param(2, 1, id="fsdp2"), pytest.param(4, 2, id="fsdp2_tp2")])
+def test_fsdp_replica_loses_one_proc_and_is_replaced_whole(lightning_run, procs, tp):
+    # 2 replicas x 2 FSDP procs (x 2 TP procs: a 2 x 2 mesh, configure_model's TP plan and fully_shard). 102 samples
+    # in global batches of 16: the epoch's last batch of 6 splits 3+3 over two replicas and then 2+1 over a
+    # replica's data-parallel procs, so uneven shares are weighted right too.
+    common = ("--devices", str(2 * procs), "--batch", "4", "--samples", "102", "--epochs", "10", "--tp", str(tp))
     # From step 25 a shrunk group waits for the replacement: how fast it starts is not what this tests.
-    run = lightning_run().start("--fsdp", "2", "--min-replicas", "1", "--step-sleep", "0.15",
+    run = lightning_run().start("--fsdp", str(procs), "--min-replicas", "1", "--step-sleep", "0.15",
                                 "--hold-for-regrow-from", "25", *common)
     single = lightning_run().start("--strategy", "single", *common)
     run.wait_for(lambda: run.progress(1) >= 5, timeout=150, what="replica 1 to reach step 5")
     pids = run.pids()
-    assert len(pids[1]) == 2
-    os.kill(pids[1][1], signal.SIGKILL)  # one shard-holder of replica 1: the whole replica must go
+    assert len(pids[1]) == procs
+    os.kill(pids[1][-1], signal.SIGKILL)  # one shard-holder of replica 1: the whole replica must go
 
     assert run.wait(timeout=180) == 0, run.output
     assert single.wait(timeout=60) == 0, single.output
@@ -170,7 +172,7 @@ def test_fsdp_replica_loses_one_proc_and_is_replaced_whole(lightning_run):
     assert [q["members"] for q in run.events("quorum")] == [[0, 1], [0], [0, 2]]
     assert [d["replica"] for d in run.events("death")] == [1]
     heals = [h for h in run.events("heal") if 2 in h["recipients"]]
-    assert len(heals) == 2 and {h["source"] for h in heals} == {"replica0.0", "replica0.1"}  # shard by shard
+    assert len(heals) == procs and {h["source"] for h in heals} == {f"replica0.{k}" for k in range(procs)}
     assert not any(alive(pid) for pid in pids[1])
 
 
@@ -556,6 +558,8 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     assert isinstance(trainer.strategy, MonarchFSDPStrategy) and trainer.strategy.launcher.config().replicas == 3
     with pytest.raises(MisconfigurationException, match=r"make devices a multiple of procs_per_replica"):
         pl.Trainer(accelerator="cpu", devices=5, strategy=MonarchFSDPStrategy(procs_per_replica=2), logger=False)
+    with pytest.raises(MisconfigurationException, match=r"tensor_parallel_size=3\) must divide procs_per_replica=4"):
+        MonarchFSDPStrategy(procs_per_replica=4, tensor_parallel_size=3)
 
     with pytest.raises(MisconfigurationException, match=r"Trainer\(accelerator='cpu' or 'gpu'"):
         pl.Trainer(accelerator=_NotCPU(), devices=2, strategy=MonarchStrategy(), logger=False)
@@ -578,6 +582,13 @@ def test_bad_input_fails_before_spawning_and_names_the_fix(tmp_path):
     sampled = DataLoader(lightning_fit.Regression(16, 4), batch_sampler=[[0, 1], [2, 3]])
     with pytest.raises(MisconfigurationException, match=r"give the training DataLoader a batch_size"):
         trainer.fit(model, sampled)
+    tensor_parallel = pl.Trainer(accelerator="cpu", devices=4, logger=False, max_epochs=1,
+                                 strategy=MonarchFSDPStrategy(procs_per_replica=2, tensor_parallel_size=2,
+                                                              events_path=str(events)))
+    unplanned = lightning_fit.Model(16, 1, 4, 4, 0.0, str(tmp_path))
+    unplanned.configure_model = pl.LightningModule.configure_model.__get__(unplanned)  # no TP plan
+    with pytest.raises(MisconfigurationException, match=r"tensor_parallel_size=2\) needs Model.configure_model"):
+        tensor_parallel.fit(unplanned, loader)
     from lightning.pytorch.callbacks import SpikeDetection  # Lightning 2.6's cannot load its own state
 
     spiky = pl.Trainer(accelerator="cpu", devices=2, strategy=MonarchStrategy(events_path=str(events)),

@@ -92,6 +92,18 @@ class Model(pl.LightningModule):
         self.log("train_loss", loss)
         return loss + self.seen[self.current_epoch, idx].mean()
 
+    def configure_model(self):
+        """Under `MonarchFSDPStrategy(tensor_parallel_size=...)`, as under Lightning's ModelParallelStrategy: the
+        first layer split by columns and the last by rows over the TP group, then FSDP over the data-parallel procs."""
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+            return
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        parallelize_module(self.net, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(self, mesh=mesh["data_parallel"])
+
     def _hold_for_regrow(self) -> None:
         """--hold-for-regrow-from K: from global step K on, a shrunk group waits at each batch until a grow is
         announced, so a test sees the replacement join however slowly it starts (as the torchtitan probe)."""
@@ -212,6 +224,7 @@ def main() -> None:
     p.add_argument("--unpicklable", action="store_true")
     p.add_argument("--resume", default=None, help="a checkpoint to resume from (fit's ckpt_path)")
     p.add_argument("--fsdp", type=int, default=0, help="MonarchFSDPStrategy with this many procs per replica")
+    p.add_argument("--tp", type=int, default=1, help="MonarchFSDPStrategy(tensor_parallel_size=...)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="ModelCheckpoint every N steps into DIR/ckpts")
     p.add_argument("--hosts-file", default=None, help="MonarchStrategy(hosts_file=...): replicas on host agents")
     p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): the hosts, --devices on each")
@@ -220,7 +233,7 @@ def main() -> None:
     args = p.parse_args()
 
     pl.seed_everything(0)
-    global_batch = args.batch * args.devices * args.num_nodes
+    global_batch = args.batch * args.devices * args.num_nodes // args.tp  # the procs of a TP group share samples
     cls = Unpicklable if args.unpicklable else Model
     model = cls(args.samples, args.epochs + args.swa, args.dim, global_batch * args.accumulate, args.step_sleep, args.out,
                 args.slow_replica, args.devices * args.num_nodes // max(args.fsdp, 1), args.hold_for_regrow_from,
@@ -237,7 +250,7 @@ def main() -> None:
         if args.hosts_file:
             knobs.update(hosts_file=args.hosts_file, store_host=args.store_host, host_timeout_s=4)
         if args.fsdp:
-            strategy = MonarchFSDPStrategy(procs_per_replica=args.fsdp, **knobs)
+            strategy = MonarchFSDPStrategy(procs_per_replica=args.fsdp, tensor_parallel_size=args.tp, **knobs)
         else:
             strategy = MonarchStrategy(**knobs)
         devices, batch = args.devices, args.batch
