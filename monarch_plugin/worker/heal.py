@@ -4,7 +4,8 @@ pulls the whole training state from a healthy donor over the network, not from d
 The donor serves its state from the training thread itself, at a step boundary, so it never reads tensors
 that an optimizer step or an FSDP forward is mutating (torchtitan's torchft path crashed the donor that way).
 The state is split into a skeleton and its tensors; the skeleton goes first so receivers can
-allocate (read back with torch's `weights_only` unpickler, `_SKELETON_TYPES`: a donor's skeleton is data, never code), then one broadcast per tensor (measured fastest here: one flat buffer was 5-10x slower).
+allocate (read back with torch's `weights_only` unpickler, `_SKELETON_TYPES`: a donor's skeleton is data, never
+code), then one broadcast per tensor (measured fastest here: one flat buffer was 5-10x slower).
 Several healthy replicas at the newest step (up to `heal_donors`) serve one heal together: each sends a disjoint
 share of the tensors (`shares`: contiguous runs of about equal bytes, which donors and receivers compute alike from
 the tensors' sizes) over a group of its own, so the receivers take in that many streams at once. One stream is
@@ -22,8 +23,8 @@ import bisect
 import io
 import pathlib
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import torch
@@ -167,51 +168,45 @@ def _join(obj: Any, tensors: list[torch.Tensor], meshes: dict) -> Any:
     return obj
 
 
-def _layout(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, tuple]]:
-    """(path, (mesh dimension names, placements, global shape, shard shape)) of every sharded tensor in a state
-    (DTensors) or a skeleton (`_ShardSlot`s)."""
-    if isinstance(obj, _ShardSlot):
-        yield path, (obj.mesh_dims, obj.placements, obj.global_shape, obj.shape)
-    elif is_dtensor(obj):
-        yield path, (obj.device_mesh.mesh_dim_names, tuple(obj.placements), tuple(obj.shape),
-                     tuple(obj.to_local().shape))
+def _shards(obj: Any, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """(path, shard) of every sharded tensor in a state (a DTensor) or a skeleton (a `_ShardSlot`)."""
+    if isinstance(obj, _ShardSlot) or is_dtensor(obj):
+        yield path, obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _layout(v, (*path, k))
+            yield from _shards(v, (*path, k))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _layout(v, (*path, i))
+            yield from _shards(v, (*path, i))
+
+
+def _layout(shard: Any) -> tuple:
+    """A shard's mesh dimension names, placements, global shape and shard shape."""
+    if isinstance(shard, _ShardSlot):
+        return shard.mesh_dims, shard.placements, shard.global_shape, shard.shape
+    return shard.device_mesh.mesh_dim_names, tuple(shard.placements), tuple(shard.shape), tuple(shard.to_local().shape)
 
 
 def check_layout(skeleton: dict, own: dict) -> dict:
     """Refuse a donor's state whose shards are not this replica's (`own`: its `sharded()` state), before any tensor
     moves: every sharded tensor this replica holds must arrive with the same mesh dimensions, placements and shapes,
     and every shard the donor sends must have a mesh of its dimension names here. Returns those meshes by name."""
-    meshes = {t.device_mesh.mesh_dim_names: t.device_mesh for t in _dtensors(own)}
-    theirs = dict(_layout({k: skeleton.get(k) for k in own}))
-    for path, mine in _layout(own):
-        if theirs.get(path) != mine:
-            raise ProtocolError("heal", f"the donor's shard of {'.'.join(map(str, path))} is {theirs.get(path)} "
-                                f"(mesh dimensions, placements, global and shard shape), this replica's is {mine}: "
-                                "every replica must be built with the same parallelism over the same number of "
-                                "procs")
-    for path, (dims, *_) in _layout(skeleton):
-        if dims not in meshes:
+    mine = dict(_shards(own))
+    meshes = {t.device_mesh.mesh_dim_names: t.device_mesh for t in mine.values()}
+    theirs = dict(_shards({k: skeleton.get(k) for k in own}))
+    for path, shard in mine.items():
+        sent = _layout(theirs[path]) if path in theirs else "not sharded"
+        if sent != _layout(shard):
+            raise ProtocolError("heal", f"the donor's shard of {'.'.join(map(str, path))} is {sent} (mesh "
+                                f"dimensions, placements, global and shard shape), this replica's is "
+                                f"{_layout(shard)}: every replica must be built with the same parallelism over the "
+                                "same number of procs")
+    for path, slot in _shards(skeleton):
+        if slot.mesh_dims not in meshes:
             raise ProtocolError("heal", f"the donor sent {'.'.join(map(str, path))} sharded over a mesh "
-                                f"{dims}, which this replica does not have: every replica must be built with the "
-                                "same parallelism")
+                                f"{slot.mesh_dims}, which this replica does not have: every replica must be built "
+                                "with the same parallelism")
     return meshes
-
-
-def _dtensors(obj: Any) -> Iterator[Any]:
-    if is_dtensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _dtensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _dtensors(v)
 
 
 HEAL_FLOOR_S = 10.0
@@ -307,8 +302,9 @@ def transfer_state(
 
 def _load_skeleton(raw: bytes) -> Any:
     """The donor's skeleton, read with torch's `weights_only` unpickler: containers, numbers, strings, dtypes,
-    DTensor placements and the types named in `_SKELETON_TYPES` only. Whatever else a skeleton names is refused, not run: a process that took
-    the donor's place (or a front end's state holding an object) fails the heal with the type named."""
+    DTensor placements and the types named in `_SKELETON_TYPES` only. Whatever else a skeleton names is refused, not
+    run: a process that took the donor's place (or a front end's state holding an object) fails the heal with the
+    type named."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import Partial, _StridedShard  # FSDP over TP's shards: strided
 

@@ -138,5 +138,5 @@ def test_a_donor_whose_shards_are_not_this_replicas_is_refused_before_any_tensor
     with pytest.raises(ProtocolError, match=r"model.0.w"):
         check_layout(_split(flat, []), own)
     unsharded = {"model": [{"w": torch.ones(4, 2), "b": torch.zeros(2)}]}
-    with pytest.raises(ProtocolError, match=r"model.0.w is None"):
+    with pytest.raises(ProtocolError, match=r"model.0.w is not sharded"):
         check_layout(_split(unsharded, []), own)
