@@ -299,8 +299,8 @@ class MonarchStrategy(ParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """With several data-parallel procs to a replica, each proc's loss is the mean over its own samples and the
         replica averages their gradients; weight each loss by its share so uneven splits still average right."""
-        readers = self._data_parallel()[1] if self._ctx is not None else 1
-        if self._tx is not None and self._sampler is not None and readers > 1:
+        readers = self._data_parallel()[1] if self._tx is not None else 1
+        if self._sampler is not None and readers > 1:
             micro = self._micro - 1  # training_step has moved on to the next micro-batch
             replica_share = share(self._window()[micro], self._tx.rank, self._tx.world)
             closure_loss = closure_loss * (readers * len(self._share(micro)) / len(replica_share))
