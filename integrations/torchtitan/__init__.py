@@ -1,5 +1,5 @@
 """torchtitan front end: a `monarch` config section that makes a torchtitan job elastic across replicas, each an
-FSDP x TP mesh of its own procs.
+FSDP x CP x TP mesh of its own procs.
 
     python -m torchtitan.train --module monarch_plugin.integrations.torchtitan --config llama3_debugmodel_cpu \
         --monarch.enable --monarch.procs_per_replica 2

@@ -5,7 +5,7 @@ A dataclass in torchtitan's config style (every field documented, parsed by tyro
 of the job config rather than a launcher's flags, and the section is read straight into the runtime's config.
 `validate` runs when the config is built (`MonarchTrainer.Config.__post_init__`, so at parse time, before anything
 is spawned) and names the field to change in every message: the runtime's own `ElasticConfig` checks its settings,
-and the cross-section rules live here (a replica's procs are its FSDP x TP mesh, so the parallel dims must fit
+and the cross-section rules live here (a replica's procs are its FSDP x CP x TP mesh, so the parallel dims must fit
 them; pipeline, context and expert parallelism are refused, docs/torchtitan.md says why).
 """
 
@@ -38,9 +38,9 @@ STRUCTURED_LOGS_ENV = "TITAN_STRUCT_LOGGER_HANDLERS"
 it) to `trainer.replica_structured_logs`, which keeps each replica's files in a folder of its own."""
 
 ENABLE = ("Train elastically under PyTorch Monarch: the launching process becomes the controller and spawns "
-          "`replicas` replicas of `procs_per_replica` procs each (one FSDP x TP mesh per replica). A SIGKILLed worker "
-          "costs the survivors the step in flight; its replica is replaced and healed from a live one. Off: "
-          "torchtitan trains as usual (under torchrun).")
+          "`replicas` replicas of `procs_per_replica` procs each (one FSDP x CP x TP mesh per replica). A "
+          "SIGKILLed worker costs the survivors the step in flight; its replica is replaced and healed from a live "
+          "one. Off: torchtitan trains as usual (under torchrun).")
 """`--monarch.enable`: the one setting of the section that is not the runtime's."""
 
 _NOTES = {
@@ -122,8 +122,8 @@ def validate(config: "MonarchTrainer.Config") -> None:
     except ConfigError as e:
         raise ValueError(spell_fields(str(e), flag)) from e
     k, mp = monarch.procs_per_replica, _model_parallel(parallelism)
-    splits = " x ".join(f"--parallelism.{name} {getattr(parallelism, name)}" for name in _MODEL_PARALLEL
-                        if getattr(parallelism, name) > 1)
+    split = [name for name in _MODEL_PARALLEL if getattr(parallelism, name) > 1]
+    splits = " x ".join(f"--parallelism.{name} {getattr(parallelism, name)}" for name in split)
     unsupported = {
         "pipeline_parallel_degree": "pipeline parallelism",
         "expert_parallel_degree": "expert parallelism",
@@ -165,8 +165,7 @@ def validate(config: "MonarchTrainer.Config") -> None:
         raise ValueError(f"--comm.mode {config.comm.mode} has no real processes to fail: drop --monarch.enable")
     per_step = micro_batch_size(config)
     total = global_batch_size(config)
-    readers = "--monarch.procs_per_replica" + "".join(f" / --parallelism.{name}" for name in _MODEL_PARALLEL
-                                                      if getattr(parallelism, name) > 1)
+    readers = "--monarch.procs_per_replica" + "".join(f" / --parallelism.{name}" for name in split)
     if total % per_step:
         raise ValueError(
             f"--training.global_batch_size {total} is not a multiple of --training.local_batch_size x "

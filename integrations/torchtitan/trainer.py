@@ -3,9 +3,9 @@
 The same class serves both sides. In the launching process, `Config.build()` returns the controller
 (`launch.ElasticLauncher`) instead of a Trainer when `--monarch.enable` is set; it spawns the replicas, each
 of which runs the same command and builds a real `MonarchTrainer` whose torch.distributed world is its own
-replica's procs (its FSDP x TP mesh, as torchtitan builds it). Across replicas only the runtime's session talks:
+replica's procs (its FSDP x CP x TP mesh, as torchtitan builds it). Across replicas only the runtime's session talks:
 
-* **The step is a transaction.** `train_step` computes the step's micro-batches (FSDP and TP communicate inside
+* **The step is a transaction.** `train_step` computes the step's micro-batches (FSDP, CP and TP communicate inside
   the replica as usual), then sums each proc's gradient shard with the same shard of the other live replicas
   and votes inside the replica; only if every reduction completed do clipping, the optimizer, the LR
   schedule, the data cursor and the step counter move. A death drops the step: the survivors join the new
@@ -71,7 +71,7 @@ class MonarchTrainer(Trainer):
     @dataclass(kw_only=True, slots=True)
     class Config(Trainer.Config):
         monarch: MonarchConfig = field(default_factory=MonarchConfig)
-        """Elastic training across replicas (each an FSDP x TP mesh) under PyTorch Monarch; off unless
+        """Elastic training across replicas (each an FSDP x CP x TP mesh) under PyTorch Monarch; off unless
         `--monarch.enable`."""
 
         def __post_init__(self) -> None:
