@@ -121,11 +121,7 @@ class MonarchElasticCallback(TrainerCallback):
 
         Before the first generation forms it is the first initial replica; it moves when that replica dies.
         Always True when inactive."""
-        if self._ctx is None:
-            return True
-        if self._tx is not None and self._tx.gen >= 0:
-            return self._tx.rank == 0
-        return self._ctx.initial and self._ctx.replica_id == 0
+        return self._ctx is None or self._ctx.rank == 0
 
     # -- set-up, in Trainer.__init__ or Trainer.add_callback ---------------------------------------------------
 
@@ -510,21 +506,11 @@ class _HealState(TrainingState):
     """
 
     def __init__(self, owner: MonarchElasticCallback):
-        super().__init__(lambda: owner._tx.device)
+        trainer = owner._trainer  # its optimizer and scheduler are read when served: HF builds them in `train()`
+        super().__init__(lambda: owner._tx.device, modules=lambda: [trainer.model],
+                         optimizers=lambda: [trainer.optimizer],
+                         schedulers=lambda: [s for s in [trainer.lr_scheduler] if s is not None])
         self.owner = owner
-
-    @property
-    def modules(self) -> list:
-        return [self.owner._trainer.model]
-
-    @property
-    def optimizers(self) -> list:
-        return [self.owner._trainer.optimizer]
-
-    @property
-    def schedulers(self) -> list:
-        scheduler = self.owner._trainer.lr_scheduler
-        return [scheduler] if scheduler is not None else []
 
     @property
     def step(self) -> int:

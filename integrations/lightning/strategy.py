@@ -132,12 +132,7 @@ class MonarchStrategy(ParallelStrategy):
         return {"num_replicas": 1, "rank": 0}
 
     def _elastic_rank(self) -> int:
-        if self._ctx is None:
-            return 0
-        if self._tx is not None and self._tx.gen >= 0:
-            return self._tx.rank
-        ctx = self._ctx
-        return 0 if (ctx.initial and ctx.replica_id == 0) else 1 + ctx.replica_id
+        return self._ctx.rank if self._ctx is not None else 0
 
     def _update_rank_zero(self) -> None:
         rank_zero_only.rank = utils_rank_zero_only.rank = 0 if self.is_global_zero else max(self._elastic_rank(), 1)
@@ -458,20 +453,10 @@ class _HealState(TrainingState):
     """
 
     def __init__(self, strategy: MonarchStrategy):
-        super().__init__(lambda: strategy._tx.device)
+        configs = lambda: strategy.lightning_module.trainer.lr_scheduler_configs  # noqa: E731
+        super().__init__(lambda: strategy._tx.device, modules=lambda: [strategy.lightning_module],
+                         optimizers=lambda: strategy.optimizers, schedulers=lambda: [c.scheduler for c in configs()])
         self.strategy = strategy
-
-    @property
-    def modules(self) -> list:
-        return [self.strategy.lightning_module]
-
-    @property
-    def optimizers(self) -> list:
-        return self.strategy.optimizers
-
-    @property
-    def schedulers(self) -> list:
-        return [c.scheduler for c in self.strategy.lightning_module.trainer.lr_scheduler_configs]
 
     @property
     def step(self) -> int:

@@ -249,20 +249,9 @@ class _HealState(TrainingState):
     """
 
     def __init__(self, trainer: MonarchTrainer):
-        super().__init__(lambda: trainer.device)
+        super().__init__(lambda: trainer.device, modules=lambda: trainer.model_parts,
+                         optimizers=lambda: trainer.optimizers.optimizers, schedulers=lambda: [trainer.lr_schedulers])
         self.trainer = trainer
-
-    @property
-    def modules(self) -> list:
-        return self.trainer.model_parts
-
-    @property
-    def optimizers(self) -> list:
-        return self.trainer.optimizers.optimizers
-
-    @property
-    def schedulers(self) -> list:
-        return [self.trainer.lr_schedulers]
 
     @property
     def step(self) -> int:

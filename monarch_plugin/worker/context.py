@@ -118,6 +118,15 @@ class WorkerContext:
         for the front end's newest checkpoint, and for a give-up checkpoint after the training code raised."""
         self._store: SignedStore | None = None
 
+    @property
+    def rank(self) -> int:
+        """This replica's rank in the current generation; rank 0 logs and writes checkpoints. Before the first
+        generation forms, the first initial replica is 0 and every other one above it (a newcomer never is)."""
+        tx = self.transaction
+        if tx is not None and tx.gen >= 0:
+            return tx.rank
+        return 0 if self.initial and self.replica_id == 0 else 1 + self.replica_id
+
     def fault_point(self, at: str, step: int) -> None:
         """Fire the configured fault for this point of the protocol, if any (each at most once)."""
         for fault in self.faults:

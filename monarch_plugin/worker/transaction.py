@@ -292,19 +292,19 @@ class TrainingState:
     exactly as the donor's already did; it takes the weights, the optimizer's state and the data cursor.
     """
 
-    def __init__(self, device: Callable[[], torch.device]):
-        self._device = device
+    def __init__(self, device: Callable[[], torch.device], *, modules: Callable[[], list[torch.nn.Module]],
+                 optimizers: Callable[[], list[torch.optim.Optimizer]], schedulers: Callable[[], list] = list):
+        """Each argument is read when the state is served or loaded, since frameworks build these objects after
+        the front end (HF's optimizer and scheduler in `train()`): the proc's device, the modules, the optimizers,
+        and the learning-rate schedulers if any (anything with `state_dict` and `load_state_dict`)."""
+        self.device, self.modules, self.optimizers, self.schedulers = device, modules, optimizers, schedulers
 
-    modules: list[torch.nn.Module]
-    optimizers: list[torch.optim.Optimizer]
     step: int
-    """The committed steps (front ends define these three as properties over their framework's objects)."""
-    schedulers: list = []
-    """The learning-rate schedulers, if any (anything with `state_dict` and `load_state_dict`)."""
+    """The committed steps (front ends define it as a property over their own counter)."""
 
     def sharded(self) -> dict:
         """The modules' state as held now: a heal checks a donor's shards against it and rebuilds them on its meshes."""
-        return {"model": [m.state_dict() for m in self.modules]}
+        return {"model": [m.state_dict() for m in self.modules()]}
 
     def catching_up(self) -> bool:
         return False
@@ -316,16 +316,16 @@ class TrainingState:
         """Load the front end's own parts of `state`; `whole`: everything (not `catching_up`)."""
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "model": [m.state_dict() for m in self.modules],
-                "optimizers": [o.state_dict() for o in self.optimizers],
-                "schedulers": [s.state_dict() for s in self.schedulers], **self.extra_state(),
-                "rng": rng_state(self._device())}  # last: a stream's state read ahead, and the RNG as of after it
+        return {"step": self.step, "model": [m.state_dict() for m in self.modules()],
+                "optimizers": [o.state_dict() for o in self.optimizers()],
+                "schedulers": [s.state_dict() for s in self.schedulers()], **self.extra_state(),
+                "rng": rng_state(self.device())}  # last: a stream's state read ahead, and the RNG as of after it
 
     def load_state_dict(self, state: dict) -> None:
         whole = not self.catching_up()
-        for module, saved in zip(self.modules, state["model"]):
+        for module, saved in zip(self.modules(), state["model"]):
             module.load_state_dict(saved)
-        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+        for optimizer, saved in zip(self.optimizers(), state["optimizers"]):
             own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             optimizer.load_state_dict(saved)
             if not whole:
@@ -333,9 +333,9 @@ class TrainingState:
                     group.update(hyper)
         self.load_extra(state, whole)
         if whole:
-            for scheduler, saved in zip(self.schedulers, state["schedulers"]):
+            for scheduler, saved in zip(self.schedulers(), state["schedulers"]):
                 scheduler.load_state_dict(saved)
-            set_rng_state(state["rng"], self._device())
+            set_rng_state(state["rng"], self.device())
         self.step = state["step"]
 
 
