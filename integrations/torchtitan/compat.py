@@ -137,12 +137,16 @@ def _flex_attention_by_sdpa() -> None:
     The block mask is then only a carrier for its `mask_mod`, so it is built eagerly: torchtitan builds it
     with `torch.compile(create_block_mask)`, which on CPU costs an Inductor C++ compile in every new process
     (a replacement replica's first step) and again whenever the per-proc batch changes shape (it does, with
-    the number of live replicas)."""
+    the number of live replicas). Context parallelism shards its inputs with a block mask of its own, through
+    torch's own compiled `create_block_mask` (`_context_parallel._attention`), which is built eagerly too: that
+    compile made a CP replica's first step take 17 s instead of 2 on 2 cores, a replacement's included."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
     from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common import attention
 
     attention.FlexAttention._compiled_flex_attn = _flex_attention_by_sdpa_impl
     attention._compiled_create_block_mask = create_block_mask
+    cp_attention._compiled_create_block_mask = create_block_mask  # torch compiles it only while it is None
     _determinism_keeps_sdpa()
 
 
