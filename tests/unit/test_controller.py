@@ -116,7 +116,7 @@ def test_a_run_out_of_restarts_trains_on_fewer_without_respawning(tmp_path):
 
 
 def test_a_replacement_never_ready_is_treated_as_hung_and_replaced_after_join_timeout(tmp_path):
-    run = _Run(tmp_path, never_ready=(2,), replicas=2, join_timeout_s=8)
+    run = _Run(tmp_path, never_ready=(2,), replicas=2, join_timeout_s=3)
 
     def drive(run):
         run.quorum([0, 1])
