@@ -13,12 +13,18 @@ import pytest
 from conftest import WORKLOADS, alive
 
 pytestmark = pytest.mark.timeout(240)
+HELD = WORKLOADS / "held_loop.py"
 ABANDON_BACKSTOP_S = 5.0  # the bug held survivors in an abandoned formation for the 60 s collective timeout
 
 
-def _recipe(run, epochs: int, step_sleep: float = 0.05) -> tuple[str, ...]:
-    return ("--epochs", str(epochs), "--samples", "256", "--batch", "16", "--step-sleep", str(step_sleep),
-            "--out", str(run.out))
+EPOCHS = 4  # 16 steps an epoch; the kill is at step 5, and the shrunk group holds from step 6 until it regrows
+
+
+def _recipe(run, replicas: int, epochs: int = EPOCHS) -> tuple[str, ...]:
+    """held_loop.py: a group shrunk below `replicas` waits from step 6 until its grow is announced, so the failed
+    recoveries and the last replacement's join happen mid-run however long each takes, without a long run."""
+    return ("--epochs", str(epochs), "--samples", "256", "--batch", "16", "--step-sleep", "0.05",
+            "--replicas", str(replicas), "--hold-for-regrow-from", "6", "--out", str(run.out))
 
 
 def _finished_identical(run, witnesses: list[int], steps: int) -> dict:
@@ -54,7 +60,7 @@ def test_newcomers_killed_inside_formation_are_left_behind_at_once(elastic_run):
     faults = ",".join(["sigkill:replica=1:step=5", "sigkill:replica=3:at=arrived",
                        "sigkill:replica=4:at=construct", "sigkill:replica=5:at=arrived"])
     run.start("--replicas", "3", "--min-replicas", "2", "--join-timeout", "120", "--fault", faults,
-              script_args=_recipe(run, epochs=28))
+              script=HELD, script_args=_recipe(run, replicas=3))
     assert run.wait(timeout=200) == 0, run.output
     assert [d["replica"] for d in run.events("death")] == [1, 3, 4, 5]
     injected = {(f["replica"], f["at"]) for f in run.events("fault_injected")}
@@ -64,7 +70,7 @@ def test_newcomers_killed_inside_formation_are_left_behind_at_once(elastic_run):
         gen = next(q["gen"] for q in quorums if newcomer in q["members"])
         for survivor in (0, 2):
             _left_before_next_generation(run, survivor, gen)
-    results = _finished_identical(run, witnesses=[0, 2], steps=28 * 16)
+    results = _finished_identical(run, witnesses=[0, 2], steps=EPOCHS * 16)
     assert 6 in results, "the fourth replacement should have joined and trained to the end"
 
 
@@ -72,28 +78,28 @@ def test_spare_killed_during_its_heal_leaves_the_donor_training(elastic_run):
     run = elastic_run()
     run.start("--replicas", "3", "--min-replicas", "1", "--spares", "1", "--join-timeout", "120",
               "--fault", "sigkill:replica=1:step=5,sigkill:replica=3:at=heal_recipient",
-              script_args=_recipe(run, epochs=20))
+              script=HELD, script_args=_recipe(run, replicas=3))
     assert run.wait(timeout=200) == 0, run.output
     assert [d["replica"] for d in run.events("death")] == [1, 3]
     gen = next(q["gen"] for q in run.events("quorum") if 3 in q["members"])
     fired = next(f for f in run.events("fault_injected") if f["replica"] == 3)
     assert fired["at"] == "heal_recipient"
     _left_before_next_generation(run, 0, gen)  # the donor, mid-transfer
-    _finished_identical(run, witnesses=[0, 2], steps=20 * 16)
+    _finished_identical(run, witnesses=[0, 2], steps=EPOCHS * 16)
 
 
 def test_donor_killed_during_a_heal_is_replaced_by_another_donor(elastic_run):
     run = elastic_run()
     run.start("--replicas", "3", "--min-replicas", "1", "--join-timeout", "120",
               "--fault", "sigkill:replica=1:step=5,sigkill:replica=0:at=heal_donor:step=1",
-              script_args=_recipe(run, epochs=24))
+              script=HELD, script_args=_recipe(run, replicas=3))
     assert run.wait(timeout=200) == 0, run.output
     assert [d["replica"] for d in run.events("death")][:2] == [1, 0]
     gen = next(q["gen"] for q in run.events("quorum") if 3 in q["members"])
     _left_before_next_generation(run, 3, gen)  # the recipient, mid-transfer; replica 2 was training
     heals_of_3 = [h for h in run.events("heal") if 3 in h["recipients"]]
     assert heals_of_3 and heals_of_3[-1]["donor"] == 2, heals_of_3
-    _finished_identical(run, witnesses=[2], steps=24 * 16)
+    _finished_identical(run, witnesses=[2], steps=EPOCHS * 16)
 
 
 def test_heal_that_cannot_finish_is_abandoned_and_its_recipient_treated_as_hung(elastic_run):
@@ -104,8 +110,7 @@ def test_heal_that_cannot_finish_is_abandoned_and_its_recipient_treated_as_hung(
     run.start("--replicas", "2", "--min-replicas", "1", "--spares", "1", "--join-timeout", "120",
               "--collective-timeout", "120",
               "--fault", "sigkill:replica=1:step=5,hang:replica=2:at=heal_recipient",
-              script=WORKLOADS / "held_loop.py",  # trains on until the hung spare's replacement has joined
-              script_args=(*_recipe(run, epochs=12), "--replicas", "2", "--hold-for-regrow-from", "8"))
+              script=HELD, script_args=_recipe(run, replicas=2))
     assert run.wait(timeout=220) == 0, run.output
     abandoned = run.events("heal_abandoned")
     assert abandoned and abandoned[0]["recipients"] == [2] and abandoned[0]["donor"] == 0
@@ -115,4 +120,4 @@ def test_heal_that_cannot_finish_is_abandoned_and_its_recipient_treated_as_hung(
     stuck_at = next(f["ts"] for f in run.events("fault_injected") if f["replica"] == 2)
     assert hang[0]["ts"] - stuck_at < 60.0  # bounded by the heal (10 s floor), not the 120 s timeout
     _left_before_next_generation(run, 0, abandoned[0]["gen"])
-    _finished_identical(run, witnesses=[0], steps=12 * 16)
+    _finished_identical(run, witnesses=[0], steps=EPOCHS * 16)
