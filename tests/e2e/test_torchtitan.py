@@ -178,36 +178,6 @@ def test_sigkilled_worker_shrinks_regrows_heals_shard_by_shard_and_matches_an_un
         assert not any(alive(pid) for pid in replica_pids)
 
 
-@pytest.mark.timeout(360)
-def test_too_few_replicas_stop_with_a_tp_fsdp_checkpoint_that_resumes_exactly_on_another_replica_count(titan_run):
-    """2 replicas, each a 2 FSDP x 2 TP mesh: the give-up checkpoint (torchtitan's DCP, written by one replica's 4
-    procs) resumes on 1 replica of the same mesh, the same global batch taken as 2 micro-batches."""
-    layout = ("--monarch.procs_per_replica", "4", "--parallelism.tensor_parallel_degree", "2",
-              "--training.global_batch_size", str(GLOBAL_BATCH))
-    checkpointing = ("--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.no-last-save-model-only")
-    run = titan_run().start(*layout, "--monarch.min_replicas", "2", *checkpointing)
-    run.wait_for(lambda: run.progress(1) >= 2, timeout=200, what="replica 1 to commit step 2")
-    os.kill(next(r["pid"] for r in run.steps()[1, 0]), signal.SIGKILL)
-    assert run.wait(timeout=120) == 1, run.output
-    [saved] = run.events("checkpoint")
-    assert f"checkpoint written to {saved['path']}" in run.output and Path(saved["path"]).is_dir()
-    assert max(r["step"] for r in run.steps()[0, 0]) == saved["step"]  # the last step the survivor committed
-
-    # torchtitan's own --checkpoint.enable resumes it: the next step, on the next global batch.
-    resumed = titan_run().start(*layout, "--monarch.replicas", "1", *checkpointing,
-                                "--checkpoint.folder", str(Path(saved["path"]).parent))
-    assert resumed.wait(timeout=150) == 0, resumed.output
-    final = _final_records(resumed.steps())
-    assert sorted(final) == list(range(saved["step"] + 1, STEPS + 1))
-    for step, records in final.items():
-        assert _trained(records, group=2) == list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
-    outcome = resumed.outcome()
-    assert set(outcome) == {(0, k) for k in range(4)} and {o["step"] for o in outcome.values()} == {STEPS}
-    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
-    for replica_pids in [*run.pids().values(), *resumed.pids().values()]:
-        assert not any(alive(pid) for pid in replica_pids)
-
-
 def _trained(records: list[dict], group: int) -> list[int]:
     """The samples a step trained: each data-parallel reader's once (the `group` procs of a TP or CP group read the
     same)."""
@@ -399,14 +369,19 @@ def test_command_line_errors_name_the_flag(capsys):
 
 
 @pytest.mark.timeout(420)
-def test_sigterm_drains_a_replica_whole_and_sigusr1_to_the_job_stops_with_a_checkpoint_the_relaunch_resumes(titan_run):
-    """SIGTERM to proc 1 of replica 1: its whole replica leaves at the next step boundary (no step dropped, no death),
-    a replacement joins. SIGUSR1 to `python -m torchtitan.train`, the controller (SLURM's `--signal=USR1@N`): the
-    job exits with status 138 after torchtitan's checkpointer saved the last committed step, and the relaunch trains
-    every later step once, on the global batches a job never stopped trains."""
+def test_sigterm_drains_a_tp_fsdp_replica_whole_and_sigusr1_stops_with_a_checkpoint_resumed_on_another_replica_count(
+        titan_run):
+    """2 replicas, each a 2 FSDP x 2 TP mesh of 4 procs. SIGTERM to proc 1 of replica 1: its whole replica leaves at
+    the next step boundary (no step dropped, no death), a replacement joins. SIGUSR1 to `python -m torchtitan.train`,
+    the controller (SLURM's `--signal=USR1@N`): the job exits with status 138 after torchtitan's checkpointer (DCP,
+    written by one replica's 4 procs) saved the last committed step. `--checkpoint.enable` resumes it on 1 replica of
+    the same mesh, the same global batch taken as 2 micro-batches: every later step once, on the global batches a job
+    never stopped trains."""
+    layout = ("--monarch.procs_per_replica", "4", "--parallelism.tensor_parallel_degree", "2",
+              "--training.global_batch_size", str(GLOBAL_BATCH))
     checkpointing = ("--checkpoint.enable", "--checkpoint.interval", "1000", "--checkpoint.no-last-save-model-only",
                      "--debug.deterministic")
-    run = titan_run().start(*checkpointing, "--probe.step_sleep", "0.4")
+    run = titan_run().start(*layout, *checkpointing, "--probe.step_sleep", "0.4")
     run.wait_for(lambda: run.progress(0) >= 2, timeout=300, what="replica 0 to commit step 2")
     os.kill(run.pids()[1][1], signal.SIGTERM)
     run.wait_for(lambda: any(2 in q["members"] for q in run.events("quorum")), timeout=300,
@@ -418,15 +393,19 @@ def test_sigterm_drains_a_replica_whole_and_sigusr1_to_the_job_stops_with_a_chec
     assert not run.events("death") and [d["replica"] for d in run.events("drained")] == [1]
     [give_up] = run.events("give_up")
     saved = int(give_up["checkpoint"].rsplit("-", 1)[1])
+    assert f"checkpoint written to {give_up['checkpoint']}" in run.output and Path(give_up["checkpoint"]).is_dir()
     committed = _final_records(run.steps())
     assert sorted(committed) == list(range(1, saved + 1))  # nothing committed past the checkpoint: nothing lost
 
-    resumed = titan_run().start(*checkpointing, "--checkpoint.folder", str(run.out / "checkpoint"))
+    resumed = titan_run().start(*layout, "--monarch.replicas", "1", *checkpointing,
+                                "--checkpoint.folder", str(run.out / "checkpoint"))
     assert resumed.wait(timeout=200) == 0, resumed.output
     final = _final_records(resumed.steps())
     assert sorted(final) == list(range(saved + 1, STEPS + 1))
     for step, records in final.items():
-        assert sorted(i for r in records for i in r["samples"]) == list(range((step - 1) * GLOBAL_BATCH,
-                                                                            step * GLOBAL_BATCH))
+        assert _trained(records, group=2) == list(range((step - 1) * GLOBAL_BATCH, step * GLOBAL_BATCH))
+    outcome = resumed.outcome()
+    assert set(outcome) == {(0, k) for k in range(4)} and {o["step"] for o in outcome.values()} == {STEPS}
+    assert {o["ntokens_seen"] for o in outcome.values()} == {STEPS * GLOBAL_BATCH * SEQ_LEN}
     for replica_pids in (*run.pids().values(), *resumed.pids().values()):
         assert not any(alive(pid) for pid in replica_pids)
