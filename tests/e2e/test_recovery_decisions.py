@@ -165,8 +165,9 @@ def test_two_wedged_replicas_are_probed_together_and_lost_in_one_generation_chan
     run = elastic_run()
     run.start("--replicas", "3", "--min-replicas", "1", "--collective-timeout", "2", "--join-timeout", "120",
               "--fault", "gil:replica=1:step=5,gil:replica=2:step=5",
-              script_args=("--epochs", "10", "--samples", "256", "--batch", "16", "--step-sleep", "0.05",
-                           "--out", str(run.out)))
+              script=WORKLOADS / "held_loop.py",  # the survivor holds from step 6 until its replacements join
+              script_args=("--epochs", "4", "--samples", "256", "--batch", "16", "--step-sleep", "0.05",
+                           "--replicas", "3", "--hold-for-regrow-from", "6", "--out", str(run.out)))
     assert run.wait(timeout=200) == 0, run.output
     wedged_at = max(e["ts"] for e in run.events("fault_injected"))
     hangs = [e for e in run.events("hang") if e["replica"] in (1, 2)]
