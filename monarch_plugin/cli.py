@@ -34,7 +34,7 @@ from monarch_plugin.config import (BACKENDS, BATCH_POLICIES, ElasticConfig, cli_
                                    spell_fields)
 from monarch_plugin.errors import ConfigError, ElasticRunAborted, MissingExtraError, RunStopped
 
-__all__ = ["main", "build_parser", "plugin"]
+__all__ = ["main", "run", "build_parser", "plugin"]
 
 _CHOICES = {"backend": BACKENDS, "batch_policy": BATCH_POLICIES}
 _TYPES = {"int": int, "int | None": int, "float": float, "str": str, "str | None": str,
@@ -264,5 +264,24 @@ def _token(path: str) -> int:
     return 0
 
 
+def run() -> None:
+    """`monarch-run`: `main`, then end the process without finalizing the interpreter.
+
+    A run can leave daemon threads blocked in native calls (towards a host that was lost, say). Finalization ends
+    such a thread inside its call with a forced unwind, which a C++ frame on its stack turns into an abort: "FATAL:
+    exception not rethrown" and exit status 134 after a run that had succeeded (seen under SLURM, after a lost node),
+    which fails the job. What the exit handlers would do is done here first: the shared fork servers stopped,
+    Monarch's runtime ended, logs and output flushed."""
+    code = main()
+    from monarch_plugin.procs import apart, forkserver
+
+    forkserver.stop_shared()
+    apart.end_monarch()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -30,7 +30,7 @@ from typing import Callable, TypeVar
 from monarch_plugin.errors import ElasticRunAborted
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
 
-__all__ = ["in_child"]
+__all__ = ["end_monarch", "in_child"]
 
 T = TypeVar("T")
 
@@ -109,7 +109,7 @@ def _child(run: Callable[[], object], write_end: int) -> None:
         while view:
             view = view[os.write(write_end, view):]
         os.close(write_end)
-        _end_monarch()
+        end_monarch()
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -167,7 +167,7 @@ def _interrupt_once(signum: int, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _end_monarch() -> None:
+def end_monarch() -> None:
     """Stop Monarch's runtime if the run started it (its exit handler would, but `os._exit` skips handlers)."""
     if "monarch.actor" not in sys.modules:
         return

@@ -48,7 +48,7 @@ import time
 
 from monarch_plugin.procs import notice
 
-__all__ = ["ALWAYS", "ForkServer", "PRELOADABLE", "client_main", "for_run", "preload_for"]
+__all__ = ["ALWAYS", "ForkServer", "PRELOADABLE", "client_main", "for_run", "preload_for", "stop_shared"]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class ForkServer:
             server = _SHARED.get(key)
             if server is None or server._proc.poll() not in (None, _GPU_BUILD):
                 if not _SHARED:
-                    atexit.register(_stop_shared)
+                    atexit.register(stop_shared)
                 server = _SHARED[key] = cls(preload, cpu_only)
                 server.start()
             return server
@@ -196,7 +196,8 @@ class ForkServer:
                 pass
 
 
-def _stop_shared() -> None:
+def stop_shared() -> None:
+    """Stop this process's shared servers and their procs (at exit, or before an exit that skips handlers)."""
     with _SHARED_LOCK:
         for server in _SHARED.values():
             server.stop()

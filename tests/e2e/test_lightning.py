@@ -437,8 +437,9 @@ def test_an_exception_in_training_step_replaces_the_replica_and_the_same_in_both
     two micro-batches) is the code's own bug: fit raises ReplicaCodeError with both tracebacks, and the checkpoint the
     last one wrote from the state it held (nobody was left training) resumes as one process that never stopped."""
     common = ("--devices", "2", "--epochs", "2", "--samples", "192", "--batch", "8", "--accumulate", "2")
+    # From step 5 the shrunk group waits for the replacement, which must join before the 20 steps end.
     replaced = lightning_run().start("--devices", "3", "--epochs", "2", "--step-sleep", "0.05",
-                                     "--fault", "raise:replica=1:step=4:at=forward")
+                                     "--fault", "raise:replica=1:step=4:at=forward", "--hold-for-regrow-from", "5")
     stopped = lightning_run().start("--fault", "raise:step=5:at=backward", *common)
     single = lightning_run().start("--strategy", "single", *common)
     assert replaced.wait(timeout=200) == 0, replaced.output
