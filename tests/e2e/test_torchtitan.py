@@ -2,8 +2,9 @@
 
 Each run is `python -m torchtitan.train --module torchtitan_probe --config llama3_probe ...` as a subprocess:
 the integration's CPU debug config (2 replicas x 2 FSDP procs on gloo; its model cut to 2 transformer blocks) with
-a trainer that logs every committed step (`tests/workloads/torchtitan_probe.py`). The harness kills every worker pid the run reported, pass or
-fail. The config section's parsing and validation are checked in this process, without spawning.
+a trainer that logs every committed step (`tests/workloads/torchtitan_probe.py`). The harness kills every worker
+pid the run reported, pass or fail. The config section's parsing and validation are checked in this process,
+without spawning.
 """
 
 from __future__ import annotations
