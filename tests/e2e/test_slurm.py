@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -85,16 +86,19 @@ class Job:
             time.sleep(0.2)
 
 
-def _lose_node(cluster: slurm.SlurmCluster, job: Job, i: int) -> None:
+def _lose_node(cluster: slurm.SlurmCluster, job: Job, i: int, meanwhile: Callable[[], Any] = lambda: None) -> Any:
     """Node i's machine dies mid-run: the run loses the host; SLURM sees its slurmd silent, marks it DOWN and takes it
-    out of the job, which under `--no-kill` goes on."""
+    out of the job, which under `--no-kill` goes on. `meanwhile` (a replacement node's job, say) runs once the run
+    has lost the host, while SLURM is still finding out; what it returns is returned."""
     cluster.kill_node(i)
     job.wait_for(lambda: len(job.events("host_lost")) == 1, 60, f"n{i} declared lost")
+    made = meanwhile()
     job.wait_for(lambda: cluster.states().get(f"n{i}", "").startswith("down"), 60, f"SLURM to mark n{i} DOWN")
     fields = cluster.job(job.id)
     assert fields["JobState"] == "RUNNING", fields
     left = cluster.run("scontrol", "show", "hostnames", fields["NodeList"]).stdout.split()
     assert f"n{i}" not in left and left, fields
+    return made
 
 
 def _agent_job(cluster: slurm.SlurmCluster, where: Path, run: Job, node: str, setup: str = "") -> Job:
@@ -126,9 +130,8 @@ exec {BIN / 'monarch-run'} --replicas 3 --min-replicas 2 --replicas-per-host 1 -
     assert oct(job.run_dir.stat().st_mode & 0o777) == "0o700"
     assert oct((job.run_dir / "token").stat().st_mode & 0o777) == "0o600"
 
-    _lose_node(cluster, job, 2)
     # A replacement node: a one-node job starts an agent on it with the run's hosts file and token.
-    joiner = _agent_job(cluster, tmp_path / "join", job, "n3")
+    joiner = _lose_node(cluster, job, 2, meanwhile=lambda: _agent_job(cluster, tmp_path / "join", job, "n3"))
     try:
         job.wait_for(lambda: len(job.events("quorum")) >= 3 and len(job.events("quorum")[-1]["members"]) == 3, 120,
                      "the regrow onto n3")
@@ -285,11 +288,11 @@ exec {sys.executable} -m torchtitan.train --module torchtitan_probe --config lla
     job.wait_for(lambda: progress(0) >= 2 and progress(1) >= 2, 200, "both replicas training")
     on = {s["host"]: s["replica"] for s in job.events("spawn")}
     victim, survivor = on[f"tcp://{cluster.net.ip(1)}:26600"], on[f"tcp://{cluster.net.ip(0)}:26600"]
-    _lose_node(cluster, job, 1)
     # The replacement node's job sets up the run's environment, as the batch script did: its replicas import the
     # probe from there.
-    joiner = _agent_job(cluster, tmp_path / "join", job, "n2",
-                        f"export PYTHONPATH={WORKLOADS}:$PYTHONPATH HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1")
+    joiner = _lose_node(cluster, job, 1, meanwhile=lambda: _agent_job(
+        cluster, tmp_path / "join", job, "n2",
+        f"export PYTHONPATH={WORKLOADS}:$PYTHONPATH HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1"))
     try:
         job.completed(240)
     finally:
