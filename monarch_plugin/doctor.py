@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["Finding", "HostCheck", "check_hosts", "clock_offset", "findings", "format_table", "ifname_allows",
-           "report"]
+           "report", "unreached"]
 
 CORE = ("torch", "torchmonarch", "monarch-plugin")
 """What every host needs, at this machine's version (its public part: a `+cpu` controller may run `+cu130` hosts)."""
@@ -237,9 +237,7 @@ def _probe(index: int, check: HostCheck, paths: list[str], store_host: str, stor
         machine = probe.report.call_one(paths, store_host, store_port, True).get(timeout=timeout)
         offset = clock_offset(probe)
     except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is this host's finding
-        check.findings.append(Finding("error", f"unreachable ({type(e).__name__}): start `monarch-plugin host "
-                                               f"--address {check.address}` there, on the address this machine "
-                                               "reaches it by"))
+        check.findings.append(Finding("error", unreached(check.address, store_host, e)))
         return
     check.report, check.offset_s = machine, offset
     check.findings.extend(findings(local, machine, offset, f"{store_host}:{store_port}"))
@@ -247,6 +245,22 @@ def _probe(index: int, check: HostCheck, paths: list[str], store_host: str, stor
         procs.stop().get(timeout=timeout)
     except Exception:  # noqa: BLE001 - the agent ends what this controller started when it leaves anyway
         pass
+
+
+def unreached(address: str, store_host: str, error: Exception) -> str:
+    """Why an attach failed, and its fix. Monarch's channels run both ways: the controller connects to the agent, and
+    the host's procs connect back to this machine. A host whose agent port answers a plain connect, but whose attach
+    still failed, cannot open connections to this machine (a firewall here, or on the way back)."""
+    from monarch_plugin.config import parse_host
+
+    try:
+        socket.create_connection(parse_host(address), timeout=3.0).close()
+    except OSError:
+        return (f"unreachable ({type(error).__name__}): start `monarch-plugin host --address {address}` there, on the "
+                "address this machine reaches it by")
+    return (f"its agent answers, but the attach failed ({type(error).__name__}): the host cannot open connections "
+            f"back to this machine, where Monarch and a run's store listen on free ports of {store_host}: open this "
+            "machine's TCP ports to the host (a firewall?), or set `store_host` to an address it reaches")
 
 
 def check_hosts(addresses: list[str], paths: list[str], store_host: str, timeout: float = 30.0) -> list[HostCheck]:

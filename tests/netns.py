@@ -141,6 +141,13 @@ class NetnsHosts:
         dev, ns = (f"{self.tag}v{i}", None) if towards else (f"{self.tag}p{i}", self.names[i])
         _tc("qdisc", "del", "dev", dev, "root", ns=ns, check=False)
 
+    def wall_off(self, i: int) -> None:
+        """Reject every connection host i opens to the controller's machine (a firewall there, or on the way back),
+        while connections the controller opens to it still work: an iptables rule in its namespace, gone with it."""
+        subprocess.run(["ip", "netns", "exec", self.names[i], "iptables", "-A", "OUTPUT", "-d", self.controller_ip,
+                        "-p", "tcp", "--syn", "-j", "REJECT", "--reject-with", "tcp-reset"],
+                       capture_output=True, text=True, check=True, timeout=30)
+
     def pids(self, i: int) -> list[int]:
         """Every process in host i's namespace: its agent and everything the agent started."""
         out = _ip("netns", "pids", self.names[i], check=False).stdout

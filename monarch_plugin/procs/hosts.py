@@ -32,7 +32,7 @@ from monarch_plugin.procs import forkserver, notice, slurm
 from monarch_plugin.admission import check_hosts_file, read_hosts_file, read_token
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
-from monarch_plugin.doctor import HostCheck, clock_offset, findings, format_table, report
+from monarch_plugin.doctor import HostCheck, clock_offset, findings, format_table, report, unreached
 from monarch_plugin.procs.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog, logger
@@ -325,8 +325,9 @@ class Hosts:
             machine = watcher.machine.call_one(self.paths).get(timeout=self.config.join_timeout_s)
             offset = clock_offset(watcher)
         except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is reported; the run goes on
-            self._failures.append((address, f"unreachable ({type(e).__name__})"))
-            self.events.emit("host_unreachable", host=index, address=address, error=f"{type(e).__name__}: {e}")
+            self._failures.append((address, unreached(address, self.config.store_host, e)))
+            self.events.emit("host_unreachable", host=index, address=address, error=f"{type(e).__name__}: {e}",
+                             reason=self._failures[-1][1])
             if procs is not None:  # a watcher that answered once, then not: it must not beat on
                 _stop(procs)
             return None

@@ -3,12 +3,14 @@ by `monarch-plugin doctor`, and by a run as it attaches them (`preflight`).
 
 Host 0 is sound; host 1's agent sees a torch of another version (a shadowing dist-info first on its `PYTHONPATH`)
 and lacks the run's directory (an empty tmpfs over it, in the agent's own mount namespace: a machine without the
-shared filesystem); the third address has no agent. The doctor must name each problem with its fix, on that
-host's row only, and exit non-zero; with only the sound host, exit 0.
+shared filesystem); host 2 cannot open connections to the controller's machine (an iptables rule in its namespace:
+a firewall), though its agent answers; the last address has no agent. The doctor must name each problem with its
+fix, on that host's row only, and exit non-zero; with only the sound host, exit 0.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -28,6 +30,7 @@ def _doctor(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.skipif(shutil.which("iptables") is None, reason="needs iptables (the firewalled host)")
 def test_doctor_names_each_hosts_problem_with_its_fix_and_fails_only_on_errors(hosts, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -36,19 +39,21 @@ def test_doctor_names_each_hosts_problem_with_its_fix_and_fails_only_on_errors(h
     shadow = tmp_path / "shadow" / "torch-9.9.9.dist-info"
     shadow.mkdir(parents=True)
     (shadow / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.9.9\n")
-    net = hosts(2)
+    net = hosts(3)
     net.start_agent(0)
     net.start_agent(1, env={"PYTHONPATH": str(shadow.parent)}, hide=shared)
-    net.wait_listed(2)
+    net.start_agent(2)
+    net.wait_listed(3)
+    net.wall_off(2)
     nowhere = f"tcp://{net.ip(1)}:{netns.AGENT_PORT + 7}"
 
-    done = _doctor("--hosts", f"{net.address(0)},{net.address(1)},{nowhere}", "--script", str(script))
+    done = _doctor("--hosts", ",".join([*(net.address(i) for i in range(3)), nowhere]), "--script", str(script))
     assert done.returncode == 1, done.stdout + done.stderr
     rows = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("tcp://") and
             not line.split()[0].endswith(":")}
     assert rows[net.address(0)].split()[1] == "ok" and "reached" in rows[net.address(0)]
     assert rows[net.address(1)].split()[1] == "ERROR" and "9.9.9" in rows[net.address(1)]
-    assert rows[nowhere].split()[1] == "ERROR"
+    assert rows[net.address(2)].split()[1] == "ERROR" and rows[nowhere].split()[1] == "ERROR"
     found = [line for line in done.stdout.splitlines() if ": error: " in line or ": warning: " in line]
     import torch
 
@@ -58,10 +63,15 @@ def test_doctor_names_each_hosts_problem_with_its_fix_and_fails_only_on_errors(h
         "directories must be at the same paths on every host (mount the shared filesystem there)",
         f"{net.address(1)}: error: torch 9.9.9 there, {torch.__version__} here: install torch=={public} there",
     ]), done.stdout
-    [unreachable] = found[2:]
+    [walled_off, unreachable] = found[2:]
+    # Not "start an agent there": its agent runs, and the way back to this machine is what is closed.
+    assert walled_off.startswith(f"{net.address(2)}: error: its agent answers, but the attach failed ("), done.stdout
+    assert walled_off.endswith(f"the host cannot open connections back to this machine, where Monarch and a run's "
+                               f"store listen on free ports of {net.controller_ip}: open this machine's TCP ports to "
+                               "the host (a firewall?), or set `store_host` to an address it reaches"), done.stdout
     fix = f"start `monarch-plugin host --address {nowhere}` there, on the address this machine reaches it by"
     assert unreachable.startswith(f"{nowhere}: error: unreachable (") and unreachable.endswith(fix), done.stdout
-    assert "2 with errors" in done.stdout
+    assert "3 with errors" in done.stdout
 
     sound = _doctor("--hosts", net.address(0), "--script", str(script))
     assert sound.returncode == 0, sound.stdout + sound.stderr
