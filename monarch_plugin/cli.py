@@ -265,14 +265,23 @@ def _token(path: str) -> int:
 
 
 def run() -> None:
-    """`monarch-run`: `main`, then end the process without finalizing the interpreter.
+    """`monarch-run`: `main`, then `leave`."""
+    leave(main())
 
-    A run can leave daemon threads blocked in native calls (towards a host that was lost, say). Finalization ends
-    such a thread inside its call with a forced unwind, which a C++ frame on its stack turns into an abort: "FATAL:
-    exception not rethrown" and exit status 134 after a run that had succeeded (seen under SLURM, after a lost node),
-    which fails the job. What the exit handlers would do is done here first: the shared fork servers stopped,
-    Monarch's runtime ended, logs and output flushed."""
-    code = main()
+
+def plugin_command() -> None:
+    """`monarch-plugin`: `plugin`, then `leave` (the doctor and the host agent are Monarch clients too)."""
+    leave(plugin())
+
+
+def leave(code: int) -> None:
+    """End the process with `code` without finalizing the interpreter.
+
+    A Monarch client can leave daemon threads blocked in native calls (towards a host that was lost, or one whose
+    way back is closed). Finalization ends such a thread inside its call with a forced unwind, which a C++ frame on
+    its stack turns into an abort: "FATAL: exception not rethrown" and exit status 134 after a run that had
+    succeeded (seen under SLURM, after a lost node), which fails the job. What the exit handlers would do is done
+    here first: the shared fork servers stopped, Monarch's runtime ended, logs and output flushed."""
     from monarch_plugin.procs import apart, forkserver
 
     forkserver.stop_shared()

@@ -104,6 +104,6 @@ def serve(address: str | None, hosts_file: str | None = None, token_file: str | 
 
 
 if __name__ == "__main__":
-    from monarch_plugin.cli import plugin
+    from monarch_plugin.cli import plugin_command
 
-    sys.exit(plugin(sys.argv[1:]))  # `python -m monarch_plugin.procs.agent host ...`, as `monarch-plugin host ...`
+    plugin_command()  # `python -m monarch_plugin.procs.agent host ...`, as `monarch-plugin host ...`
