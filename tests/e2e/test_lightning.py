@@ -407,6 +407,22 @@ def test_failure_free_fit_matches_single_process_with_same_global_batch(lightnin
     assert set(elastic.logged("elastic/replicas")) == {2.0}
 
 
+@pytest.mark.timeout(180)
+def test_a_configure_model_that_skips_the_tp_plan_stops_the_run_naming_the_fix_and_respawns_nothing(lightning_run):
+    """`MonarchFSDPStrategy(tensor_parallel_size=2)` and a `configure_model` that leaves the model as it is: the
+    controller cannot tell (the method exists), so each replica's procs refuse the model as they set up, naming the
+    fix. The same error everywhere is the code's own, so the run stops, spawning nothing again, leaving nothing."""
+    run = lightning_run().start("--fsdp", "2", "--tp", "2", "--devices", "4", "--batch", "4", "--samples", "32",
+                                "--skip-tp-plan")
+    assert run.wait(timeout=150) == 1, run.output
+    assert "MonarchFSDPStrategy(tensor_parallel_size=2) leaves parallelizing the model to the LightningModule" in \
+        run.output and "apply your TP plan over self.device_mesh['tensor_parallel']" in run.output, run.output
+    assert [s["initial"] for s in run.events("spawn")] == [True, True], run.events("spawn")
+    assert not run.events("respawn_scheduled") and not run.events("first_commit")
+    for replica_pids in run.pids().values():
+        assert not any(alive(pid) for pid in replica_pids)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_below_min_replicas_writes_a_checkpoint_that_fit_resumes_exactly(lightning_run, layout):

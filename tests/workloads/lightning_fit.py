@@ -78,6 +78,7 @@ class Model(pl.LightningModule):
         self.out = out
         self.eval_sleep = 0.0
         self.sample_sleep = 0.0
+        self.skip_tp_plan = False
 
     def training_step(self, batch, batch_idx):
         self._hold_for_regrow()
@@ -96,7 +97,7 @@ class Model(pl.LightningModule):
         """Under `MonarchFSDPStrategy(tensor_parallel_size=...)`, as under Lightning's ModelParallelStrategy: the
         first layer split by columns and the last by rows over the TP group, then FSDP over the data-parallel procs."""
         mesh = self.device_mesh
-        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()):
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()) or self.skip_tp_plan:
             return
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -225,6 +226,7 @@ def main() -> None:
     p.add_argument("--resume", default=None, help="a checkpoint to resume from (fit's ckpt_path)")
     p.add_argument("--fsdp", type=int, default=0, help="MonarchFSDPStrategy with this many procs per replica")
     p.add_argument("--tp", type=int, default=1, help="MonarchFSDPStrategy(tensor_parallel_size=...)")
+    p.add_argument("--skip-tp-plan", action="store_true", help="configure_model leaves the model as it is")
     p.add_argument("--checkpoint-every", type=int, default=0, help="ModelCheckpoint every N steps into DIR/ckpts")
     p.add_argument("--hosts-file", default=None, help="MonarchStrategy(hosts_file=...): replicas on host agents")
     p.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): the hosts, --devices on each")
@@ -239,6 +241,7 @@ def main() -> None:
                 args.slow_replica, args.devices * args.num_nodes // max(args.fsdp, 1), args.hold_for_regrow_from,
                 args.batchnorm)
     model.sample_sleep = args.sample_sleep
+    model.skip_tp_plan = args.skip_tp_plan
     if args.strategy == "single":
         strategy, devices, batch = "auto", 1, global_batch
     elif args.strategy in ("monarch-name", "ddp_spawn"):
