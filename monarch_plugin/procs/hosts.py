@@ -325,9 +325,10 @@ class Hosts:
             machine = watcher.machine.call_one(self.paths).get(timeout=self.config.join_timeout_s)
             offset = clock_offset(watcher)
         except Exception as e:  # noqa: BLE001 - an agent that cannot be reached is reported; the run goes on
-            self._failures.append((address, unreached(address, self.config.store_host, e)))
+            why = unreached(address, self.config.store_host, e)  # off the controller's thread, as the attach is
+            self._failures.append((address, why))
             self.events.emit("host_unreachable", host=index, address=address, error=f"{type(e).__name__}: {e}",
-                             reason=self._failures[-1][1])
+                             reason=why)
             if procs is not None:  # a watcher that answered once, then not: it must not beat on
                 _stop(procs)
             return None
