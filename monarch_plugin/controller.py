@@ -30,7 +30,7 @@ from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError, RunStopped
 from monarch_plugin.events import EventLog, read_events
-from monarch_plugin.handshake import FORMATION_BOUND_S, supersede
+from monarch_plugin.handshake import FORMATION_BOUND_S, passed, supersede
 from monarch_plugin.procs import slurm
 from monarch_plugin.procs.apart import in_child
 from monarch_plugin.procs.hosts import Hosts
@@ -185,7 +185,13 @@ class ElasticController:
         self.gen = -1
         self.members: list[int] = []
         self.plans: dict[int, list[int]] = {}
-        self.finished_gen: int | None = None  # set by the first replica that returns from training
+        self.finished_gen: int | None = None
+        """The generation whose members all reached the end of training together: once set, training is over, and no
+        death, drain, signal or host loss is the run's failure any more (`_ended`)."""
+        self._open_ends: list[int] = []
+        """Generations whose end-of-training barrier this controller has not superseded: one of them may still pass."""
+        self._stop_by: float | None = None
+        """Told to stop after training ended: when the replicas still in their code after training are stopped."""
         self.deaths = 0
         self.restarts = 0
         self.early_deaths = 0
@@ -412,15 +418,23 @@ class ElasticController:
             if self._closing.is_set():
                 return
             self._check_told()
-            self._respawn_due()
-            self._check_drains()
-            self._admit_ready()
-            self._check_starting()
-            self._check_stalled()
-            self._check_wedged()
-            self._check_floor()
-            if self._training_over():
-                self.events.emit("run_end", gen=self.finished_gen, members=self._finishers())
+            if self.finished_gen is None:  # the run's decisions: none is taken once training is over
+                self._respawn_due()
+                self._check_drains()
+                self._admit_ready()
+                self._check_starting()
+                self._check_stalled()
+                self._check_wedged()
+                self._check_floor()
+            stopped = self._stop_by is not None and time.monotonic() > self._stop_by
+            if self._training_over() or stopped:
+                left = [m for m in self._finishers() if self.replicas[m].state != ReplicaState.FINISHED]
+                if stopped and any(self.replicas[m].state.live for m in left):
+                    logger.warning("replicas %s had not returned from their code after training within `drain_grace_s` "
+                                   "%g of %s: they are stopped; the run's training is complete", left,
+                                   self.config.drain_grace_s, self._told_to_stop)
+                self.events.emit("run_end", gen=self.finished_gen, members=self._finishers(),
+                                 **({"unfinished": left} if left else {}))
                 return
 
     def _finishers(self) -> list[int]:
@@ -429,7 +443,22 @@ class ElasticController:
             return self.plans[self.finished_gen]
         return self.members  # a target that never joined a generation: everyone it ran on
 
+    def _ended(self) -> bool:
+        """Training is over: every member of a generation reached the end of training together. A replica that returned
+        from training says so (`_on_return`); before one has, the store does, once that generation's end barrier passed
+        in every lane (`handshake.passed`): its members may still be running their own code after training (an
+        evaluation, an upload, a slow exit), and whatever happens to them then is no failure of the run's. Asked where a
+        decision is taken, not on every turn of the supervision loop."""
+        if self.finished_gen is None and self.store is not None:
+            formed = max(self._formed_gens, default=-1)  # members that formed it left every older generation's end
+            self._open_ends = [g for g in self._open_ends if g >= formed]
+            lanes = range(self.config.procs_per_replica)
+            self.finished_gen = next((g for g in self._open_ends
+                                      if all(passed(self.store, Key.finished(g, lane)) for lane in lanes)), None)
+        return self.finished_gen is not None
+
     def _training_over(self) -> bool:
+        """Every replica that must return from training did (or died after it ended): the run is done."""
         if self.finished_gen is None:
             return False
         # Anyone else (a spare, a replacement admitted after that generation closed) has nothing left to
@@ -585,9 +614,14 @@ class ElasticController:
     def _check_told(self) -> None:
         """This process was told to stop: the run stops with a checkpoint of its last committed step (the step in
         flight is dropped), whatever the replicas are doing, and `RunStopped` says how to resume."""
-        if self._told_to_stop is None or self._closing.is_set():
+        if self._told_to_stop is None or self._closing.is_set() or self._stop_by is not None:
             return
         name = self._told_to_stop
+        if self._ended():  # nothing to save: the replicas still in their own code after training get a drain's grace
+            self._stop_by = time.monotonic() + self.config.drain_grace_s
+            logger.warning("%s received after training ended: the run's training is complete; replicas still in their "
+                           "code after training may take `drain_grace_s` %g to return", name, self.config.drain_grace_s)
+            return
         logger.warning("%s received: the run stops with a checkpoint of its last committed step", name)
         self._give_up(f"{name} received", error=partial(RunStopped, signal=name))
 
@@ -607,6 +641,10 @@ class ElasticController:
         replica.leaving, replica.leaving_at = drain, time.monotonic()
         self.events.emit("notice", replica=replica.rid, signal=drain.signal, pid=drain.pid, lane=drain.lane,
                          state=replica.state.value)
+        if self._ended():
+            logger.warning("replica %d got %s (proc %d) after training ended: its own code after training goes on; the "
+                           "run's training is complete", replica.rid, drain.signal, drain.pid)
+            return
         logger.warning("replica %d got %s (proc %d): it leaves at the next step boundary", replica.rid, drain.signal,
                        drain.pid)
         self._schedule_respawn(restart=False)
@@ -629,10 +667,10 @@ class ElasticController:
         agreeing inside it to move), once the current one has formed. One not yet a member just goes. Past
         `drain_grace_s` a replica still there is treated as dead. Every replica told to go, or fewer than
         `min_replicas` left, stops the run with a checkpoint instead (`policies.drain_stop`)."""
-        if self._closing.is_set():
-            return
         now = time.monotonic()
         told = [r for r in self.replicas.values() if r.leaving is not None and r.state.live]
+        if not told or self._closing.is_set() or self._ended():
+            return
         late = [r for r in told if now - r.leaving_at > self.config.drain_grace_s]
         if late:
             for r in late:
@@ -725,6 +763,10 @@ class ElasticController:
         where = sorted({self.hosts.host_of(r).name for r in ids})
         if (self.config.hosts or self.config.hosts_file) and not all(w in how for w in where):
             what += f" on {', '.join(where)}"
+        if self._ended():
+            logger.warning("%s after training ended, in its own code after training: the run's training is complete",
+                           what)
+            return
         if lost_members:
             survivors = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
             members = policies.next_members(survivors, self._ready_waiting(), self.wanted)
@@ -767,6 +809,8 @@ class ElasticController:
 
     def _schedule_respawn(self, restart: bool = True) -> None:
         """`restart`: it replaces a failed replica (counted against `max_restarts`), not a drained one."""
+        if self.finished_gen is not None:
+            return
         live = sum(r.state.live and r.leaving is None for r in self.replicas.values())
         if not policies.respawn_wanted(live, len(self._respawn_at), self.wanted, self.config):
             return
@@ -959,12 +1003,17 @@ class ElasticController:
                 self.early_deaths = 0
             replica.state = ReplicaState.MEMBER
         # Formations of the generation this one replaces end now: their waiting members block on the store.
-        for lane in range(self.config.procs_per_replica if g > 0 else 0):
+        lanes = range(self.config.procs_per_replica)
+        for lane in lanes if g > 0 else ():
             supersede(self.store, Key.group(g - 1, lane))
             for share in range(self.config.heal_donors):
                 supersede(self.store, Key.heal_group(g - 1, lane, share))
-            if interrupt:  # a grow leaves members that reached the end to finish where they are
-                supersede(self.store, Key.finished(g - 1, lane))
+        if interrupt:  # so does every end barrier still open (a grow or a drain leaves members that reached it there)
+            for old in self._open_ends:
+                for lane in lanes:
+                    supersede(self.store, Key.finished(old, lane))
+            self._open_ends.clear()
+        self._open_ends.append(g)
         # Each proc concerned is told as a message: a waiting one then reads the plan, never polls for it.
         for m in dict.fromkeys(previous + self.members):
             control = self.replicas[m].control

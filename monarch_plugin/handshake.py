@@ -9,6 +9,7 @@ which the controller re-plans instead of waiting for the collective timeout. The
 from __future__ import annotations
 
 import datetime
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from monarch_plugin.signing import SignedStore
 
 __all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "ProtocolError",
-           "barrier", "supersede", "FORMATION_BOUND_S"]
+           "barrier", "passed", "supersede", "FORMATION_BOUND_S"]
 
 FORMATION_BOUND_S = 10.0
 """Forming a generation's group among members that all passed its arrival barrier, and exchanging their
@@ -79,16 +80,29 @@ def barrier(store: SignedStore, prefix: str, rank: int, world: int, timeout_s: f
     elif superseded():
         decision = store.compare_set(decision_key, "", _SUPERSEDED)
     else:
-        try:
-            store.wait([decision_key], datetime.timedelta(seconds=timeout_s))
-        except dist.DistStoreError:
-            pass
+        # A wait also ends when anyone touches the key without setting it (a non-blocking read of it,
+        # `SignedStore.peek`, wakes its waiters): it waits again until the decision is there or the time is up.
+        deadline = time.monotonic() + timeout_s
+        while not store.check([decision_key]) and (left := deadline - time.monotonic()) > 0:
+            try:
+                store.wait([decision_key], datetime.timedelta(seconds=left))
+            except dist.DistStoreError:
+                pass
         decision = store.compare_set(decision_key, "", _TIMED_OUT)
     if decision == _GO:
         return
     if decision == _SUPERSEDED:
         raise GenerationChanged(f"{prefix}: formation abandoned (a newer generation)")
     raise CollectiveTimedOut(f"{prefix}: formation abandoned (a member did not arrive in {timeout_s:.0f}s)")
+
+
+def passed(store: SignedStore, prefix: str) -> bool:
+    """Whether the barrier at `prefix` decided "go": every member arrived, and none can be superseded any more. Never
+    blocks; a forged decision is no "go" (it is reported, `signing.Forged`)."""
+    try:
+        return store.peek(Key.decision(prefix)) == _GO
+    except ProtocolError:
+        return False
 
 
 def supersede(store: SignedStore, prefix: str) -> None:

@@ -35,6 +35,9 @@ SECRET_ENV = "MONARCH_PLUGIN_SECRET"
 
 _TAG = 64  # the length of a hex HMAC-SHA256
 
+_UNSET = b"\0monarch-plugin: not set\0"
+"""What `SignedStore._read` compares a key with: no signed value ever equals it (each ends in a hex tag)."""
+
 
 def new_secret() -> str:
     """A fresh run secret: 32 random bytes, in hex (what `SECRET_ENV` carries)."""
@@ -118,7 +121,15 @@ class SignedStore(dist.Store):
 
     def peek(self, key: str) -> bytes | None:
         """The key's verified value, or None while it is not set (never blocks)."""
-        return self.get(key) if self._inner.check([key]) else None
+        raw = self._read(key)
+        return None if raw is None else self._open(key, raw)
+
+    def _read(self, key: str) -> bytes | None:
+        """The key's raw value, or None while it is not set, in one request that never waits: a compare-and-set that
+        can never match (`_UNSET`) answers the value, and leaves a missing key missing. A `check` then `get` would wait
+        the store's whole timeout for a key that anyone who reaches the store deleted between the two."""
+        raw = self._inner.compare_set(key, _UNSET, _UNSET)
+        return None if raw == _UNSET else raw
 
     def compare_set(self, key: str, expected, desired) -> bytes:
         """Set `desired` if the key holds `expected` (b"": is not set); returns the verified value it now holds."""
@@ -137,9 +148,7 @@ class SignedStore(dist.Store):
         """Every signed line appended under the key, in order, each once; a line that does not verify is reported
         (`on_forged`) and left out."""
         found: list[str] = []
-        if not self._inner.check([key]):
-            return found
-        for raw in self._inner.get(key).split(b"\n"):
+        for raw in (self._read(key) or b"").split(b"\n"):
             if not raw.strip():
                 continue
             payload, tag = raw[_TAG:], raw[:_TAG]
@@ -153,12 +162,10 @@ class SignedStore(dist.Store):
         return found
 
     def verified(self, keys: list[str]) -> bool:
-        """Every key is set, each to a value that verifies (`Forged` if one does not)."""
+        """Every key is set, each to a value that verifies (`Forged` if one does not); never blocks."""
         if not self._inner.check(keys):
             return False
-        for key in keys:
-            self.get(key)
-        return True
+        return all(self.peek(key) is not None for key in keys)
 
     def member_token(self, group: str, rank: int) -> bytes:
         """What the member of rank `rank` of the group named `group` shows the others once the group is built

@@ -407,11 +407,9 @@ class ReplicaSession:
         """Leave together: True once every member of this generation has reached the end of training.
 
         False if the generation was aborted first (a peer died at the very end); the caller rejoins, which
-        heals any member that dropped the last step, and finishes again.
+        heals any member that dropped the last step, and finishes again. A generation of one passes its barrier too:
+        that it passed is how the controller knows training is over before anyone returned (`handshake.passed`).
         """
-        if self.world == 1:
-            self.flags.finished_gen = self.gen
-            return True
         self.flags.set_phase(Phase.FINISH)
         aborted = False
         try:
