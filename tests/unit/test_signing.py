@@ -8,11 +8,13 @@ import json
 import queue
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch.distributed as dist
 
+from monarch_plugin.handshake import barrier, passed
 from monarch_plugin.signing import Forged, SignedStore, forged_reporter
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,6 +109,48 @@ def test_every_procs_key_must_verify_before_the_controller_counts_it(stores):
         store.verified(["ready/0/0", "ready/0/1"])
     store.set("ready/0/1", b"1")
     assert store.verified(["ready/0/0", "ready/0/1"])
+
+
+def test_a_read_never_waits_for_a_key_a_stranger_deletes_nor_creates_it(stores):
+    """A check then a get would wait the store's whole timeout (10 s here) for a key deleted between the two: every
+    read is one request instead, answering None for a missing key and leaving it missing."""
+    store, stranger, _ = stores
+    store.set("ready/0/0", b"1")
+    store.append("raised", '{"replica": 1}\n')
+    store.set("fin/3/0/decision", b"go")
+    for key in ("ready/0/0", "raised", "fin/3/0/decision"):
+        stranger.delete_key(key)
+    started = time.monotonic()
+    assert store.peek("ready/0/0") is None and not store.verified(["ready/0/0"])
+    assert store.lines("raised") == []
+    assert not passed(store, "fin/3/0")
+    assert time.monotonic() - started < 1.0
+    assert not stranger.check(["ready/0/0", "raised", "fin/3/0/decision"])
+
+
+def test_a_barrier_woken_without_its_decision_waits_on(stores):
+    """A read of a missing key wakes the store's waiters on it: the member waiting at a barrier must not take that
+    for the end of its wait (it decided "timed out" at once, and failed a run's end)."""
+    store, _, _ = stores
+    member = store.like(dist.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=10)))
+    outcome = queue.Queue()
+
+    def wait() -> None:
+        try:
+            barrier(member, "fin/0/0", 0, 2, 10.0, lambda: False)
+            outcome.put("go")
+        except Exception as e:  # noqa: BLE001 - the test reads what it was
+            outcome.put(type(e).__name__)
+
+    threading.Thread(target=wait, daemon=True).start()
+    time.sleep(0.3)
+    for _ in range(3):  # each wakes the waiter
+        assert not passed(store, "fin/0/0")
+        time.sleep(0.1)
+    assert outcome.empty()
+    barrier(store, "fin/0/0", 1, 2, 10.0, lambda: False)  # the last member arrives
+    assert outcome.get(timeout=5) == "go" and passed(store, "fin/0/0")
 
 
 def test_a_hosts_forged_death_record_is_reported_and_no_death_is(stores, tmp_path):
