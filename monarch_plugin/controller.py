@@ -693,7 +693,7 @@ class ElasticController:
         if stop:
             logger.warning("the run stops: %s", stop)
             self._give_up(stop, error=partial(RunStopped, signal=name))
-        if not self._formed(self.gen):
+        if self.action != Action.WAIT and not self._formed(self.gen):
             return  # members leaving a half-formed generation would strand their peers in it: at its first boundary
         who = f"replica {leaving[0]}" if len(leaving) == 1 else f"replicas {leaving}"
         reason = f"{who} drained ({name})"
@@ -989,6 +989,9 @@ class ElasticController:
         self.gen += 1
         g = self.gen
         previous = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
+        # A draining replica is in its last step with the members until the generation without it forms: it is told as
+        # they are (an interrupt left it in a step with a dead peer until `drain_grace_s`).
+        previous += [r.rid for r in self.replicas.values() if r.state == ReplicaState.DRAINING]
         self.members = list(members)
         self.action = action
         self.plans[g] = self.members
@@ -1085,28 +1088,8 @@ class ElasticController:
         held untouched (`_Replica.kept`). With none holding it, nothing is written (a replica's own weights would be
         a checkpoint the run never trained) and the message names the newest checkpoint on disk to resume from.
         `detail` follows the message (the tracebacks of a bug); `error` is what is raised."""
-        live = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER]
-        holders = [m for m in live if self._holds(self.replicas[m])]
-        checkpoint = None
-        if holders:
-            self._announce(holders, reason=f"giving up: {reason}", interrupt=True, action=Action.CHECKPOINT)
-            deadline = time.monotonic() + self.config.join_timeout_s
-            while time.monotonic() < deadline and any(self.replicas[m].state == ReplicaState.MEMBER for m in holders):
-                for raised in self._appended(Raised, Key.RAISED, Key.RAISED_COUNT):  # raised instead of writing
-                    if raised.replica in holders:
-                        self._raised_holding(self.replicas[raised.replica], raised)
-                report = self._next_report(0.05)
-                if isinstance(report, Returned):
-                    replica = self.replicas[report.replica]
-                    # The first proc that wrote one (a replica writes one per proc when each holds its own state).
-                    checkpoint = checkpoint or next((o.checkpoint for o in report.outcomes if o.checkpoint), None)
-                    raised = next((o.raised for o in report.outcomes if o.status == "error"), None)
-                    if raised is not None:
-                        self._raised_holding(replica, raised)
-                    replica.state = ReplicaState.STOPPED
-                elif isinstance(report, Died):
-                    self.replicas[report.replica].state = ReplicaState.DEAD
-        checkpoint = checkpoint or self._checkpoint_held()
+        self._closing.set()  # what happens from here is recorded, and decides nothing but who writes
+        checkpoint = self._stop_checkpoint(reason) or self._checkpoint_held()
         # Replicas whose training code raised still answer, unless ended: even one whose sibling is stuck.
         resume_from = checkpoint or self._newest_checkpoint(
             [r.rid for r in self.replicas.values()
@@ -1127,6 +1110,41 @@ class ElasticController:
                                 "(docs/runtime.md, \"Stopping a run\")",)
             logger.warning("%s", stopped)
         raise stopped
+
+    def _stop_checkpoint(self, reason: str) -> str | None:
+        """The checkpoint of a run that stops: the live members that hold its state form a generation to write it
+        (`Action.CHECKPOINT`), whose first member (its rank 0) writes while the others wait. A writer lost before it
+        returns one (dead, its host lost, or its code raised) is replaced by the next holder, in a generation of the
+        holders left, until one is written, none is left, or `join_timeout_s` has passed. None: nothing written."""
+        holders = [m for m in self.members if self.replicas[m].state == ReplicaState.MEMBER
+                   and self._holds(self.replicas[m])]
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while holders and time.monotonic() < deadline:
+            self._announce(holders, reason=f"giving up: {reason}", interrupt=True, action=Action.CHECKPOINT)
+            writer = self.replicas[holders[0]]
+            while writer.state == ReplicaState.MEMBER and time.monotonic() < deadline:
+                for raised in self._appended(Raised, Key.RAISED, Key.RAISED_COUNT):  # raised instead of writing
+                    if raised.replica in holders:
+                        self._raised_holding(self.replicas[raised.replica], raised)
+                report = self._next_report(0.05)
+                if not isinstance(report, Returned):
+                    if report is not None:
+                        self._handle(report)  # a death or a host's loss, recorded (`_closing`: nothing re-planned)
+                    continue
+                replica = self.replicas[report.replica]
+                # The first proc that wrote one (a replica writes one per proc when each holds its own state).
+                path = next((o.checkpoint for o in report.outcomes if o.checkpoint), None)
+                raised = next((o.raised for o in report.outcomes if o.status == "error"), None)
+                if raised is not None:
+                    self._raised_holding(replica, raised)
+                replica.state = ReplicaState.STOPPED
+                if replica is writer and (path or raised is None):
+                    return path  # None: the front end writes no checkpoint of its own
+            holders = [m for m in holders if self.replicas[m].state == ReplicaState.MEMBER]
+            if holders:
+                logger.warning("replica %d did not write the checkpoint (%s): replica %d writes it instead", writer.rid,
+                               writer.state.value, holders[0])
+        return None
 
     def _raised_holding(self, replica: _Replica, raised: Raised) -> None:
         """A holder asked for the give-up checkpoint raised instead of writing it: it is waited for no longer, and

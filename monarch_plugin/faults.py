@@ -28,6 +28,7 @@ The other points of `at=` move it to a point of the recovery protocol, the first
     construct        inside the generation's group construction (its own address published)
     heal_donor       serving its state to a newcomer, after the header, before the tensors
     heal_recipient   receiving state, after the header, before the tensors
+    stop_checkpoint  writing the checkpoint of a run that stops (a give-up, a signal), before its files
 
     sigkill:replica=3:at=construct,sigkill:replica=4:at=arrived
 
@@ -51,7 +52,7 @@ from monarch_plugin.errors import ConfigError
 __all__ = ["FaultSpec", "InjectedFault", "parse_faults", "MODES", "POINTS"]
 
 MODES = ("sigkill", "exit", "segv", "hang", "stop", "gil", "raise", "oom")
-POINTS = ("step", "forward", "backward", "arrived", "construct", "heal_donor", "heal_recipient")
+POINTS = ("step", "forward", "backward", "arrived", "construct", "heal_donor", "heal_recipient", "stop_checkpoint")
 _IN_STEP = ("step", "forward", "backward")
 
 

@@ -79,8 +79,10 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
         gen = plan.gen
         store.set(Key.formed(gen, rid, 0), b"1")
         events.emit("join", replica=rid, gen=gen, world=len(plan.members))
-        if plan.action == Action.CHECKPOINT:
-            return report(rid, Outcome("stopped", time.time() - t0))
+        if plan.action == Action.CHECKPOINT:  # its rank 0 writes (nothing, here); the others wait for the stop
+            if plan.members.index(rid) == 0:
+                return report(rid, Outcome("stopped", time.time() - t0))
+            continue
         while not (flags.stop or flags.abort_gen > gen or flags.regroup_gen > gen):  # training
             if raising:
                 return raise_now()

@@ -108,10 +108,6 @@ class GradientReducer:
         self._attempted_step = step
         self._buffers_at_first_attempt = [b.detach().clone() for b in buffers]
 
-    def attempting(self, step: int) -> bool:
-        """An attempt at `step` began (`begin_attempt`): its first attempt's buffers are `first_attempt_buffers`."""
-        return self._attempted_step == step
-
     @contextlib.contextmanager
     def first_attempt_buffers(self):
         """Inside an attempt at a step: the buffers as the last commit left them, for the duration.

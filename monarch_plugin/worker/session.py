@@ -100,8 +100,10 @@ class ReplicaSession:
         # inside the step, finished it in this one. The step it starts instead fails at once and is dropped by all.
         return self.intra is None and self.flags.abort_gen > self.gen
 
-    def join(self, step: int) -> None:
-        """Block until this worker is a member of the newest generation and holds the group's state."""
+    def join(self, step: int, patient: bool = False) -> None:
+        """Block until this worker is a member of the newest generation and holds the group's state. `patient`: wait
+        for it as long as the controller keeps this proc (a member of a stop's `Action.CHECKPOINT` generation that does
+        not write waits so, for the stop or for the generation that replaces a writer lost mid-write)."""
         store = self.ctx.store
         if self.gen < 0:
             if self.ctx.procs_per_replica > 1 and self.intra is None:
@@ -119,7 +121,7 @@ class ReplicaSession:
             self.ctx.events.emit("ready", replica=self.ctx.replica_id, pid=os.getpid())
         self.flags.set_phase(Phase.JOIN)
         tried = -1
-        waiting = False
+        waiting = patient
         while True:
             plan = self._agreed_plan(after=tried, waiting=waiting)
             tried = plan.gen

@@ -89,6 +89,8 @@ class StepTransaction:
         self.last_recovery_s: float | None = None
         """The newest of those: seconds from the drop to the commit, the pause in training as this proc lived it."""
         self._held_rng: dict = {}
+        self._attempt_open = False
+        """An attempt at a step began and has not committed: its forward passes may have moved the buffers."""
         self.held: int | None = None
         """The committed steps the front end's state holds untouched: set at each step boundary, kept through the
         attempt's forward, backward and reduction, None from a commit (the optimizer stepping) to the next boundary
@@ -124,20 +126,22 @@ class StepTransaction:
         self._hold(committed)  # until a heal or a restore loads another state (`ReplicaSession.loading`)
         with _runtime_part("join"):
             session.join(committed)
-        self._hold(session.provider.step)
-        if session.action == Action.CHECKPOINT:
-            held = session.provider.step  # past `committed` if the join healed this proc
-            path = self._give_up(held) if self.rank == 0 else None
-            if path is not None:
-                self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=held, path=path)
-            raise StopReplica("the controller gave up; checkpoint written", checkpoint=path)
+        self._hold(session.provider.step)  # past `committed` if the join healed this proc
+        while session.action == Action.CHECKPOINT:
+            # The controller gave up: the generation's rank 0 writes the checkpoint of the step the state holds; the
+            # others wait for its word, a stop once it is written, or a generation without a writer it lost.
+            if self.rank == 0:
+                raise StopReplica("the controller gave up; checkpoint written", checkpoint=self._write_held())
+            with _runtime_part("join"):
+                session.join(self.held, patient=True)
+            self._hold(session.provider.step)
         self._on_join()
         return True
 
     def begin(self, step: int) -> None:
         """An attempt at `step` starts, before its first forward: the controller sees the proc computing it, the
         fault injected there fires, and the buffers are as the step's first attempt found them."""
-        self._step = step
+        self._step, self._attempt_open = step, True
         self.session.flags.set_phase(Phase.COMPUTE, step)
         self.ctx.fault_point("step", step)
         self.reducer.begin_attempt(step)
@@ -154,7 +158,7 @@ class StepTransaction:
         try:
             with _runtime_part("reduce"):
                 reduced = self.session.reduce(self.reducer, self._weight, list(metrics))
-            self.held = None  # committed: the front end steps its optimizer now
+            self.held, self._attempt_open = None, False  # committed: the front end steps its optimizer now
             return reduced
         except CollectiveInterrupted as e:
             zero_grad()
@@ -181,7 +185,8 @@ class StepTransaction:
                 self.sync(start)
                 if committed() > start:
                     zero_grad()
-                    self.held = None  # the front end's loop now moves what the catching-up heal left as it was
+                    # The front end's loop now moves what the catching-up heal left as it was.
+                    self.held, self._attempt_open = None, False
                     return None
                 metrics = attempt(redo)
             reduced = self.reduce(step, metrics, zero_grad)
@@ -233,12 +238,15 @@ class StepTransaction:
         if self.held is None:
             return None
         self.session.rank, self.session.world = 0, 1  # out of every generation now: the run's one writer
-        # The attempt's forward passes moved the buffers (BatchNorm statistics) and drew from the RNG since: both go
-        # back to the step's start, as a run that never failed has them there.
+        return self._write_held()
+
+    def _write_held(self) -> str | None:
+        """Write the run's checkpoint of the committed steps the state holds (`held`), as the last commit left it: an
+        attempt since moved the buffers (BatchNorm statistics) and drew from the RNG, and both go back to the step's
+        start first, as a run that never failed has them there. Its path, on the proc that wrote it."""
+        self.ctx.fault_point("stop_checkpoint", self.held)
         set_rng_state(self._held_rng, self.device)
-        buffers = (self.reducer.first_attempt_buffers() if self.reducer.attempting(self._step)
-                   else contextlib.nullcontext())
-        with buffers:
+        with self.reducer.first_attempt_buffers() if self._attempt_open else contextlib.nullcontext():
             path = self._give_up(self.held)
         if path is not None:
             self.ctx.events.emit("checkpoint", replica=self.ctx.replica_id, step=self.held, path=path)
@@ -246,11 +254,13 @@ class StepTransaction:
 
     def _release(self) -> None:
         """The state is about to be replaced (a heal, a restore): it holds no committed step until the join ends."""
-        self.held = None
+        self.held, self._attempt_open = None, False
 
     def _hold(self, committed: int) -> None:
-        """At a step boundary: the state is that of `committed` steps, and these are its random generators."""
-        self.held, self._held_rng = committed, rng_state(self.device)
+        """At a step boundary: the state is that of `committed` steps, and its random generators are as the first
+        boundary at that step found them (a dropped attempt drew from them since)."""
+        if self.held != committed:
+            self.held, self._held_rng = committed, rng_state(self.device)
 
     def _inject_in_passes(self, modules: list[torch.nn.Module]) -> None:
         """Faults configured to fire mid-forward (`at=forward`: when the model's first layer with parameters runs,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -21,6 +22,9 @@ pytestmark = pytest.mark.timeout(300)
 SAMPLES, BATCH, EPOCHS = 240, 24, 3  # 10 steps an epoch
 STEPS = EPOCHS * SAMPLES // BATCH
 LOOP = ("--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS), "--step-sleep", "0.1")
+EXACT = (*LOOP, "--batchnorm", "--dropout")
+"""A model whose forward moves BatchNorm's statistics and draws dropout's masks: a stop that drops the step in flight
+must checkpoint both as the last committed step left them, for its relaunch to train as a run never stopped."""
 
 
 def _steps(run) -> list[dict]:
@@ -68,9 +72,11 @@ def test_the_controller_told_to_stop_leaves_a_checkpoint_and_two_relaunches_end_
     committed step and the status of the signal; the third run finishes, and the three trained every step once, the
     same batches as a run never stopped, to the same weights."""
     clean = elastic_run()
-    clean.start("--replicas", "2", script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(clean.out)))
+    clean.start("--replicas", "2", script=WORKLOADS / "logged_loop.py",
+                script_args=(*EXACT, "--out", str(clean.out)))
     first = elastic_run()
-    first.start("--replicas", "2", script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(first.out)))
+    first.start("--replicas", "2", script=WORKLOADS / "logged_loop.py",
+                script_args=(*EXACT, "--out", str(first.out)))
     first.wait_for(lambda: len(_steps(first)) >= 5, timeout=120, what="step 5")
     os.kill(first.proc.pid, signal.SIGTERM)
     assert first.wait(timeout=120) == 143, first.output
@@ -84,7 +90,7 @@ def test_the_controller_told_to_stop_leaves_a_checkpoint_and_two_relaunches_end_
     ckpt = first.tmp / "ckpt"
     second = elastic_run()
     second.start("--replicas", "2", "--checkpoint-dir", str(ckpt), "--resume", "auto",
-                 script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(second.out)))
+                 script=WORKLOADS / "logged_loop.py", script_args=(*EXACT, "--out", str(second.out)))
     second.wait_for(lambda: len(_steps(second)) >= 8, timeout=120, what="8 more steps")
     job = {second.proc.pid, *descendants(second.proc.pid)}  # the controller, the forkserver, every proc
     for pid in job:
@@ -99,7 +105,7 @@ def test_the_controller_told_to_stop_leaves_a_checkpoint_and_two_relaunches_end_
 
     third = elastic_run()
     third.start("--replicas", "2", "--checkpoint-dir", str(ckpt), "--resume", "auto",
-                script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(third.out)))
+                script=WORKLOADS / "logged_loop.py", script_args=(*EXACT, "--out", str(third.out)))
     assert third.wait(timeout=180) == 0, third.output
     assert clean.wait(timeout=60) == 0, clean.output
     # A step dropped in flight by a stop was never logged: each run's log starts where the previous one's ended.
@@ -107,3 +113,61 @@ def test_the_controller_told_to_stop_leaves_a_checkpoint_and_two_relaunches_end_
     assert [r["step"] for r in steps] == list(range(STEPS))
     assert steps == _steps(clean)
     assert {r["checksum"] for r in third.results().values()} == {clean.results()[0]["checksum"]}
+
+
+@pytest.mark.parametrize("lost", ["sigkill", "raise"])
+def test_a_stop_whose_writer_is_lost_mid_write_is_written_by_the_next_holder_and_resumes_exactly(elastic_run, lost):
+    """The controller told to stop; the replica writing the stop's checkpoint dies as it starts the write (or its code
+    raises there): the next holder writes it instead, and the relaunch trains on as a run never stopped."""
+    clean = elastic_run()
+    clean.start("--replicas", "3", script=WORKLOADS / "logged_loop.py", script_args=(*EXACT, "--out", str(clean.out)))
+    first = elastic_run()
+    first.start("--replicas", "3", "--fault", f"{lost}:replica=0:at=stop_checkpoint",
+                script=WORKLOADS / "logged_loop.py", script_args=(*EXACT, "--out", str(first.out)))
+    first.wait_for(lambda: len(_steps(first)) >= 5, timeout=120, what="step 5")
+    os.kill(first.proc.pid, signal.SIGTERM)
+    assert first.wait(timeout=120) == 143, first.output
+    stops = [q for q in first.events("quorum") if q["action"] == "checkpoint"]
+    assert [q["members"] for q in stops] == [[0, 1, 2], [1, 2]], stops
+    [written] = first.events("checkpoint")
+    [give_up] = first.events("give_up")
+    assert written["replica"] == 1 and give_up["checkpoint"] == written["path"], first.output
+    assert "replica 0 did not write the checkpoint" in first.output
+    assert not first.events("respawn_scheduled")
+    _no_orphans(first)
+
+    second = elastic_run()
+    second.start("--replicas", "3", "--checkpoint-dir", str(first.tmp / "ckpt"), "--resume", "auto",
+                 script=WORKLOADS / "logged_loop.py", script_args=(*EXACT, "--out", str(second.out)))
+    assert second.wait(timeout=180) == 0, second.output
+    assert clean.wait(timeout=60) == 0, clean.output
+    steps = _steps(first) + _steps(second)
+    assert [r["step"] for r in steps] == list(range(STEPS)) and steps == _steps(clean)
+    assert {r["checksum"] for r in second.results().values()} == {clean.results()[0]["checksum"]}
+
+
+def test_a_replica_draining_when_a_member_dies_is_aborted_with_the_members(elastic_run):
+    """Replica 3 is told to go; before the generation without it forms, member 1 dies. The death's generation drops
+    the step in flight for the draining replica too, which is in that step with the dead member: it leaves at once,
+    drained, instead of waiting there for `drain_grace_s` and being counted as a death."""
+    run = elastic_run()
+    run.start("--replicas", "4", "--min-replicas", "1", "--drain-grace", "20", script=WORKLOADS / "logged_loop.py",
+              script_args=(*LOOP[:-1], "0.5", "--out", str(run.out)))
+    run.wait_for(lambda: len(_steps(run)) >= 3, timeout=120, what="step 3")
+    pids = run.pids()
+    os.kill(pids[3][0], signal.SIGTERM)
+    run.wait_for(lambda: run.events("drain"), timeout=30, what="the drain")
+    os.kill(pids[1][0], signal.SIGKILL)
+    killed = time.monotonic()
+    run.wait_for(lambda: run.events("drained"), timeout=30, what="replica 3 drained")
+    assert time.monotonic() - killed < 10, run.output
+    assert run.wait(timeout=180) == 0, run.output
+    assert [d["replica"] for d in run.events("death")] == [1]
+    [drained] = run.events("drained")
+    assert drained["replica"] == 3
+    steps = _steps(run)
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    for epoch in range(EPOCHS):
+        assert sorted(i for r in steps if r["epoch"] == epoch for i in r["batch"]) == list(range(SAMPLES)), epoch
+    assert len({r["checksum"] for r in run.results().values()}) == 1
+    _no_orphans(run)

@@ -329,3 +329,30 @@ def test_sigusr1_to_the_controller_stops_the_run_with_a_checkpoint_and_status_13
     assert stopped.value.status == stopped.value.code == 138
     assert run.events("quorum")[-1]["action"] == "checkpoint" and run.events("give_up")[0]["reason"] == "SIGUSR1 received"
     assert signal.getsignal(signal.SIGUSR1) is before  # the controller's handler went with its run
+
+
+def test_a_replica_told_to_go_while_the_run_waits_for_replacements_leaves_at_once(tmp_path):
+    """Nobody trains in a generation that waits (`Action.WAIT`), so none forms: a drain then is published at once, not
+    held for a formation that never comes until `drain_grace_s` makes the drained replica a death."""
+    import os
+    import signal
+
+    from monarch_plugin.errors import RunStopped
+
+    run = _Run(tmp_path, never_ready=(3,), replicas=3)  # the replacement never comes: the run waits on
+
+    def drive(run):
+        run.quorum([0, 1, 2])
+        run.fleet.raise_in(1, step=4, kind="torch.OutOfMemoryError", oom=True)
+        run.wait("the wait", lambda: [q for q in run.events("quorum") if q["action"] == "wait"])
+        _notice(run, 2)
+        run.wait("replica 2 drained", lambda: run.events("drained"), timeout=5)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        run.wait("the stop", lambda: run.events("give_up"))
+
+    with pytest.raises(RunStopped):
+        run.run(drive)
+    plans = [(q["members"], q["action"]) for q in run.events("quorum")]
+    assert plans[:3] == [([0, 1, 2], "train"), ([0, 2], "wait"), ([0], "wait")], plans
+    assert [d["replica"] for d in run.events("drained")] == [2]
+    assert 2 not in [d["replica"] for d in run.events("death")]

@@ -137,10 +137,11 @@ def test_the_state_is_held_for_a_give_up_checkpoint_from_a_step_boundary_until_t
     tx = object.__new__(StepTransaction)
     tx.session = types.SimpleNamespace(needs_join=lambda: False, reduce=lambda reducer, weight, metrics: metrics,
                                        rank=1, world=2, device=torch.device("cpu"))
-    tx.ctx = types.SimpleNamespace(replica_id=0, events=types.SimpleNamespace(emit=lambda *a, **k: None))
-    tx.reducer = types.SimpleNamespace(attempting=lambda step: False)
+    tx.ctx = types.SimpleNamespace(replica_id=0, events=types.SimpleNamespace(emit=lambda *a, **k: None),
+                                   fault_point=lambda at, step: None)
+    tx.reducer = types.SimpleNamespace()
     drawn = []
-    tx._weight, tx.held, tx._step = 1.0, None, 4
+    tx._weight, tx.held, tx._step, tx._attempt_open = 1.0, None, 4, False
     tx._give_up = lambda committed: drawn.append(torch.rand(1).item()) or f"step{committed}.pt"
     assert tx.checkpoint_held() is None
     tx.sync(4)
@@ -152,3 +153,20 @@ def test_the_state_is_held_for_a_give_up_checkpoint_from_a_step_boundary_until_t
     tx.sync(5)
     assert tx.checkpoint_held() == "step5.pt"
     assert (tx.session.rank, tx.session.world) == (0, 1)  # out of every generation: it writes as the one writer
+
+
+def test_a_dropped_attempts_draws_are_not_the_held_steps():
+    """The generators held for a stop checkpoint are those of the first boundary at a step: an attempt that was dropped
+    drew from them since, and the boundary it is retried from must not take those draws for the step's."""
+    tx = object.__new__(StepTransaction)
+    tx.session = types.SimpleNamespace(device=torch.device("cpu"))
+    tx.held, tx._attempt_open = None, False
+    torch.manual_seed(3)
+    tx._hold(4)
+    expected = torch.get_rng_state()
+    torch.rand(5)  # the attempt's dropout, say, then the step is dropped
+    tx._hold(4)
+    assert torch.equal(tx._held_rng["torch"], expected)
+    tx.held = None  # committed: the next boundary's are the next step's
+    tx._hold(5)
+    assert not torch.equal(tx._held_rng["torch"], expected)

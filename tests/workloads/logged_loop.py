@@ -31,11 +31,14 @@ p.add_argument("--straggler", type=int, default=None, help="this replica is slow
 p.add_argument("--straggle", type=float, default=0.0)
 p.add_argument("--straggle-until", type=int, default=0)
 p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d in the model, whose statistics a forward moves")
+p.add_argument("--dropout", action="store_true", help="a Dropout in the model, which draws from the RNG in a forward")
 p.add_argument("--fsdp", action="store_true", help="fully_shard the model over this replica's procs")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
 x, y, model = toy_problem(args.samples, args.batchnorm)
+if args.dropout:
+    model.insert(len(model) - 1, nn.Dropout(0.1))
 if args.fsdp:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
