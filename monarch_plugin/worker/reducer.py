@@ -72,8 +72,9 @@ class GradientReducer:
         if current:
             self.buckets.append(current)
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        # Reused every step: fresh 25 MB buffers would page-fault their way in on every step. The last
-        # bucket reduced carries one extra element, the control word, so a step needs no extra collective.
+        # Reused every step: fresh 25 MB buffers would page-fault their way in on every step (all but one that an
+        # interrupted attempt left a reduction in flight on: `_reset`). The last bucket reduced carries one extra
+        # element, the control word, so a step needs no extra collective.
         self._buffers = [
             torch.empty(sum(local_part(p).numel() for p in b) + (i == len(self.buckets) - 1), dtype=b[0].dtype,
                         device=device)
@@ -81,12 +82,19 @@ class GradientReducer:
         ]
         self._pg = None
         self._synced = True
+        self._works: dict[int, object] = {}
         self._reset(None, 1.0, None, -1, 0.0)
         if overlap:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _reset(self, pg, weight: float, flags: Flags | None, gen: int, timeout_s: float) -> None:
+        for i, work in self._works.items():
+            if not work.is_completed():
+                # Left behind by an interrupted attempt, on a group that cannot abort it (gloo): once the peers that
+                # were still in that step reach it, it completes, and writes the sum into this bucket then. The bucket
+                # goes with the work; the next attempt reduces in a new one.
+                self._buffers[i] = torch.empty_like(self._buffers[i])
         self._pg, self._weight = pg, weight
         self._flags, self._gen, self._timeout_s = flags, gen, timeout_s
         self._pending = [len(b) for b in self.buckets]

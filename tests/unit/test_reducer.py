@@ -324,3 +324,78 @@ def test_a_member_without_the_runs_secret_is_found_as_soon_as_the_group_is_built
         else:
             assert "rank 1 does not hold the run's secret" in outcomes[0]
             assert "rank 0 does not hold the run's secret" in outcomes[1]
+
+
+def test_a_bucket_an_abandoned_reduction_may_still_write_is_never_reused(monkeypatch):
+    """A step interrupted with every peer alive (a newcomer lost in its grow, a stall re-planned with the same
+    members): gloo cannot abort the reduction in flight, and a peer still in that step completes it later, writing
+    the sum into the buckets it was given. Two real gloo ranks, a model of many buckets: rank 0 drops the step and
+    redoes it in the next generation's group while rank 1, slower, still reduces in the old one; both must end with
+    the gradients of a step never interrupted, exactly."""
+    import threading
+    import time
+
+    from monarch_plugin.handshake import CollectiveInterrupted
+    from monarch_plugin.worker import reducer as reducer_module
+
+    monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 4 * 64)  # a bucket a parameter, about
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    torch.manual_seed(0)
+    shares = [torch.randn(5, 16), torch.randn(5, 16)]
+
+    def model():
+        torch.manual_seed(1)
+        return nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+
+    expected = []
+    for x in shares:  # the step as a run never interrupted reduces it: the weighted sum of the two shares' gradients
+        m = model()
+        m(x).sum().backward()
+        expected.append([p.grad * 0.5 for p in m.parameters()])
+    expected = [a + b for a, b in zip(*expected)]
+
+    groups: dict[tuple[str, int], dist.ProcessGroup] = {}
+
+    def build(name, rank):  # a client each: one TCPStore client serves one request at a time
+        client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+        groups[name, rank] = dist.ProcessGroupGloo(dist.PrefixStore(name, client), rank, 2,
+                                                   datetime.timedelta(seconds=20))
+
+    builders = [threading.Thread(target=build, args=(n, r)) for n in ("gen0", "gen1") for r in (0, 1)]
+    for t in builders:
+        t.start()
+    for t in builders:
+        t.join(timeout=30)
+    redoing = threading.Event()
+    grads: dict[int, list[torch.Tensor]] = {}
+    models = [model(), model()]  # here: torch's generator is one for every thread
+
+    def rank(r: int) -> None:
+        m, flags = models[r], Flags()
+        reducer = GradientReducer(list(m.parameters()), torch.device("cpu"))
+        assert len(reducer.buckets) > 8
+        if r == 1:
+            redoing.wait(10)
+            time.sleep(0.3)  # rank 0's redo is launched and waits in generation 1 for this rank
+        flags.abort(1)  # the controller's generation 1 replaces generation 0 with the same members
+        reducer.arm(groups["gen0", r], 0.5, flags, 0, 20)
+        m(shares[r]).sum().backward()  # rank 1 launches its buckets in generation 0 still: they complete there
+        with pytest.raises(CollectiveInterrupted):
+            reducer.reduce([])
+        m.zero_grad(set_to_none=True)
+        reducer.arm(groups["gen1", r], 0.5, flags, 1, 20)
+        if r == 0:
+            threading.Timer(0.1, redoing.set).start()
+        m(shares[r]).sum().backward()
+        reducer.reduce([])
+        grads[r] = [p.grad.clone() for p in m.parameters()]
+
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(timeout=40)
+    assert set(grads) == {0, 1}
+    for r in (0, 1):
+        for got, want in zip(grads[r], expected):
+            assert torch.equal(got, want), f"rank {r}"
