@@ -19,10 +19,15 @@ Rules it keeps:
 - The server never imports Monarch: its runtime threads would not survive a fork (Monarch's WF-2). It stays
   single-threaded, so a fork copies no lock held by another thread.
 - Lifetimes: the server ends with the process that started it (a pidfd in its loop; it SIGKILLs its children
-  as it goes), a child is SIGKILLed when the server goes (PR_SET_PDEATHSIG, which reaches a stopped process too)
-  and when its client goes (a pidfd watched by a thread). The server is its children's subreaper: what a dead
-  proc leaves (e.g. a process the training code started from multiprocessing's forkserver, which watches only
-  that forkserver) becomes the server's, which ends it. No process outlives its replica or the controller's process.
+  as it goes), and a child is SIGKILLed when its client goes (a pidfd watched by a thread). The server is its
+  children's subreaper: what a dead proc leaves (e.g. a process the training code started from multiprocessing's
+  forkserver, which watches only that forkserver) becomes the server's, which ends it. No process outlives its
+  replica or the controller's process.
+- The server is a helper, not a replica's life: killed alone (the OOM killer's pick, a stray `kill`), it takes no
+  proc with it. Each client then waits on its child's pidfd instead, and stands in for it as before; replicas
+  started after that start as fresh interpreters (`ForkServer.bootstrap_command`). A client watches the process
+  that started it (the controller's) and SIGKILLs its child when that goes, so no proc outlives the controller
+  even once the server that would have ended them is gone.
 - A child gets what a fresh interpreter would have: the client's environment, directory, `PYTHONPATH` entries
   and process group, fresh random seeds; only the imported modules are shared (copy-on-write).
 - CUDA is never touched in the server; on a GPU build it is off by default all the same (`ElasticConfig
@@ -66,7 +71,6 @@ READY_TIMEOUT_S = 120.0
 
 _BOOTSTRAP = "monarch._src.actor.bootstrap_main"
 _GPU_BUILD = 3  # the server's exit status when it finds a GPU build of torch and was started `--cpu-only`
-_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _STOP_WAIT_S = 5.0
 """How long `stop` gives the server to end its procs and what they left before it SIGKILLs it."""
@@ -86,11 +90,6 @@ def for_run(config, imports: list[str]) -> "ForkServer | None":
     if config.forkserver is False or config.multi_host:
         return None
     return ForkServer.shared(preload_for(set(imports)), cpu_only=config.forkserver is None)
-
-
-def _die_with_parent(sig: int) -> None:
-    """PR_SET_PDEATHSIG: `sig` when the thread that forked this process ends (the server's only thread)."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 _SHARED: dict[tuple[str, ...], "ForkServer"] = {}
@@ -152,7 +151,9 @@ class ForkServer:
             with self._lock:
                 if self._ready:
                     self._ready = False
-                    self.unused = f"the forkserver exited with {self._proc.returncode} during the run"
+                    code = self._proc.returncode
+                    self.unused = (f"the forkserver was killed by {signal.Signals(-code).name} during the run"
+                                   if code < 0 else f"the forkserver exited with {code} during the run")
                     log.warning("%s: replicas start as fresh processes from now on", self.unused)
             return None
         from monarch.actor import default_bootstrap_cmd
@@ -365,7 +366,6 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 def _become_proc(request: dict, fds: list[int], conn: socket.socket) -> int:
     """In the child: take over the client's descriptors, environment and directory, then run Monarch's bootstrap."""
-    _die_with_parent(signal.SIGKILL)
     targets = request["fds"]
     top = max(targets + [conn.fileno()]) + 1
     moved = [_dup_above(fd, top) for fd in fds]  # out of the targets' way first
@@ -383,6 +383,9 @@ def _become_proc(request: dict, fds: list[int], conn: socket.socket) -> int:
     _watch_client(client)
     os.environ.clear()
     os.environ.update(request["env"])
+    # Monarch's bootstrap has a proc die with its parent: here the server, a helper whose loss must take no proc
+    # (the client above stands in for it, and its death is this proc's).
+    os.environ["HYPERACTOR_MESH_BOOTSTRAP_ENABLE_PDEATHSIG"] = "false"
     os.chdir(request["cwd"])
     sys.path[:0] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     sys.argv = [request["argv0"]]
@@ -425,6 +428,7 @@ def _watch_client(pid: int) -> None:
 
 def client_main(path: str) -> int:
     """Have the server fork this proc, stand in for it, and end as it ended."""
+    starter = os.pidfd_open(os.getppid())  # the controller's process, whose Monarch started this one
     inherited = [fd for fd in _open_fds() if os.get_inheritable(fd)]  # what Monarch gave this process
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     conn.connect(path)
@@ -445,11 +449,30 @@ def client_main(path: str) -> int:
 
     for sig in (*notice.NOTICE_SIGNALS, signal.SIGINT):
         signal.signal(sig, forward)
-    last = conn.recv(4096)
-    if not last:  # the server went, and took the child with it (PR_SET_PDEATHSIG)
-        return 1
-    end = json.loads(last)
-    if "signal" in end:  # end as the child did, so Monarch's supervision reads the same death
+    watch = selectors.DefaultSelector()
+    watch.register(conn, selectors.EVENT_READ)
+    watch.register(starter, selectors.EVENT_READ)
+    while True:
+        for key, _ in watch.select():
+            if key.fileobj == starter:  # the controller's process is gone: its proc goes too (a stopped one as well)
+                forward(signal.SIGKILL, None)
+                return 1
+            if key.fileobj is not conn:  # the child ended after the server: how went with the server, its parent
+                return 1
+            last = conn.recv(4096)
+            if last:
+                return _end_as(json.loads(last))
+            # The server went, a helper: the child goes on, and this stands in for it until it ends.
+            watch.unregister(conn)
+            try:
+                watch.register(os.pidfd_open(child), selectors.EVENT_READ)
+            except ProcessLookupError:
+                return 1
+
+
+def _end_as(end: dict) -> int:
+    """End as the child did, so that Monarch's supervision reads the same death."""
+    if "signal" in end:
         if end["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
             signal.signal(end["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), end["signal"])

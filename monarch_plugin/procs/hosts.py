@@ -104,7 +104,7 @@ class Hosts:
         self._tried: set[str] = set()  # addresses attached, or tried
         self._failures: list[tuple[str, str]] = []  # (address, why) of the hosts that could not be used
         self._forkserver: forkserver.ForkServer | None = None  # this machine's procs start from it
-        self._forkserver_seen = False  # its event emitted
+        self._forkserver_serves: bool | None = None  # whether it started this run's first procs (None: none yet)
         self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
         self._here: dict | None = None  # this machine's `doctor.report`, what each host's is checked against
@@ -245,11 +245,14 @@ class Hosts:
         t0 = time.time()
         command = self._forkserver.bootstrap_command()
         with self._lock:
-            if not self._forkserver_seen:
-                self._forkserver_seen = True
+            if self._forkserver_serves is None:
+                self._forkserver_serves = command is not None
                 self.events.emit("forkserver", pid=self._forkserver.pid, preload=self._forkserver.preload,
                                  ready=command is not None, waited_s=round(time.time() - t0, 3),
                                  **({} if command is not None else {"unused": self._forkserver.unused}))
+            elif self._forkserver_serves and command is None:  # it went mid-run (its procs did not)
+                self._forkserver_serves = False
+                self.events.emit("forkserver_lost", pid=self._forkserver.pid, reason=self._forkserver.unused)
         return command or notice.bootstrap_command()
 
     # -- deaths ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import WORKLOADS, alive, descendants, listeners
+from conftest import WORKLOADS, alive, descendants, listeners, parent
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -192,3 +192,43 @@ def test_a_death_reported_after_the_run_ends_does_not_take_the_process_down():
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.split() == ["user_actor"], done.stdout + done.stderr
+
+
+def test_the_forkserver_killed_takes_no_replica_and_a_replacement_starts_as_a_fresh_interpreter(elastic_run):
+    """The forkserver is a helper: SIGKILLed mid-training (the OOM killer's pick), it takes none of the procs forked
+    from it, and the next replacement starts the usual way, saying so in an event."""
+    run = elastic_run()
+    run.start("--replicas", "3", "--min-replicas", "2", script=WORKLOADS / "held_loop.py",
+              script_args=("--replicas", "3", "--hold-for-regrow-from", "0", "--epochs", "4", "--out", str(run.out)))
+    run.wait_for(lambda: run.progress(0) >= 3, timeout=120, what="step 3")
+    [server] = run.events("forkserver")
+    pids = run.pids()
+    os.kill(server["pid"], signal.SIGKILL)
+    at = run.progress(0)
+    run.wait_for(lambda: run.progress(0) >= at + 5, timeout=60, what="5 more steps")
+    assert all(alive(p) for ps in pids.values() for p in ps) and not run.events("death"), run.output
+    os.kill(pids[1][0], signal.SIGKILL)
+    [replacement] = run.wait_for(lambda: [s for s in run.events("spawn") if s["replica"] == 3], 60, "the replacement")
+    assert parent(replacement["pids"][0]) != server["pid"]
+    assert run.wait(timeout=180) == 0, run.output
+    [lost] = run.events("forkserver_lost")
+    assert lost["pid"] == server["pid"] and "killed by SIGKILL" in lost["reason"]
+    assert [d["replica"] for d in run.events("death")] == [1]
+    results = run.results()
+    assert set(results) == {0, 2, 3} and len({r["checksum"] for r in results.values()}) == 1
+    assert {r["step"] for r in results.values()} == {4 * -(-256 // 24)}  # 11 steps an epoch, the last one short
+    assert all(set(epoch) == {1.0} for epoch in results[0]["seen"])
+    assert not any(alive(p) for ps in run.pids().values() for p in ps)
+
+
+def test_replicas_that_outlived_their_forkserver_still_end_with_a_lost_controller(elastic_run):
+    """Once the forkserver is gone nothing of it ends the procs it forked: their stand-ins (Monarch's processes) watch
+    the controller's process, and SIGKILL their proc when it goes, a stopped one too."""
+    run = elastic_run()
+    run.start("--replicas", "2", script=WORKLOADS / "held_loop.py",
+              script_args=("--replicas", "2", "--epochs", "40", "--out", str(run.out)))
+    run.wait_for(lambda: run.progress(0) >= 3, timeout=120, what="step 3")
+    [server] = run.events("forkserver")
+    os.kill(server["pid"], signal.SIGKILL)
+    os.kill(run.pids()[0][0], signal.SIGSTOP)
+    run.kill_controller(within=10)
