@@ -19,6 +19,11 @@ only what an allow-list admits.
 The run holds its checkpoint directory and its events file for itself (`runlock`): a second run pointed at them
 is refused, naming the first. Pruning keeps the newest `checkpoint_keep` complete checkpoints and never the
 newest complete one; what a crashed run left half-written is removed when the next run takes the directory.
+
+DCP has no checksum of its own: a file cut short fails its load, a bit flipped loads without a word. So the coordinator
+writes the size and SHA-256 of every file of the checkpoint (`digests.json`, `write_digests`) before `.metadata`, and a
+complete checkpoint carries them: one whose files no longer match (`damage`) is never resumed, and `resume="auto"`
+takes the newest intact one (`newest`).
 Holding it, the run makes it readable by its user only (0700, `filemodes`; `share_files` widens it), so whatever
 DCP writes inside is out of others' reach; a file written whole here (`save_file`) is created 0600 as well.
 
@@ -29,6 +34,8 @@ there may be another run's).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -38,11 +45,13 @@ import torch
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.filemodes import file_mode
 
-__all__ = ["checkpoints", "clean_stale", "complete", "is_url", "newest", "newest_written", "prune", "save_file",
-           "step_of", "step_path"]
+__all__ = ["DIGESTS", "checkpoints", "clean_stale", "complete", "damage", "is_url", "newest", "newest_written", "prune",
+           "save_file", "step_of", "step_path", "write_digests"]
 
 _NAME = re.compile(r"step(?P<step>\d{8})")
 _METADATA = ".metadata"
+DIGESTS = "digests.json"
+"""In a checkpoint's directory: the size and SHA-256 of each of its files, written before `.metadata`."""
 
 
 def is_url(path: str) -> bool:
@@ -116,16 +125,92 @@ def checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(p for p in found if _is_dir(p[1]))
 
 
-def newest(directory: str) -> str | None:
-    """The newest complete checkpoint in `directory`; None if there is none."""
-    done = [path for _, path in checkpoints(directory) if complete(path)]
-    return done[-1] if done else None
+def newest(directory: str, skipped=None) -> str | None:
+    """The newest complete checkpoint in `directory` whose files are as they were written (`damage`); None if there is
+    none. Each newer one passed over for its damage is told to `skipped(path, why)`."""
+    return _newest_intact([path for _, path in checkpoints(directory)], skipped)
 
 
-def newest_written(paths: list[str]) -> str | None:
-    """The newest of `paths` (what a run recorded writing) still complete on disk; None if there is none."""
-    done = [(step_of(p), p) for p in set(paths) if complete(p)]
-    return max(done)[1] if done else None
+def _open(path: str, mode: str):
+    return _fs(path).open(path, mode) if is_url(path) else open(path, mode)
+
+
+def _size(path: str) -> int:
+    return _fs(path).size(path) if is_url(path) else os.path.getsize(path)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with _open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_digests(path: str, files: list[str], share: bool = False) -> None:
+    """Record the size and SHA-256 of each of `files` (names in the checkpoint at `path`), before its `.metadata` is
+    written: on the writing thread, off the step's path (1.6 GB/s of SHA-256 on one core here, from the page cache).
+    Created readable by this user only unless `share`."""
+    record = {"algorithm": "sha256",
+              "files": {name: {"bytes": _size(_join(path, name)), "sha256": _sha256(_join(path, name))}
+                        for name in sorted(set(files))}}
+    text = json.dumps(record, indent=1) + "\n"
+    target = _join(path, DIGESTS)
+    if is_url(path):
+        with _open(target, "w") as f:
+            f.write(text)
+        return
+    tmp = f"{target}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, file_mode(share))
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+
+
+def damage(path: str) -> str | None:
+    """What is wrong with the complete checkpoint at `path`, naming its file (cut short, changed since it was written,
+    missing), or None: its files are as they were written (or it was written without digests: nothing to check them
+    by). Reads every file once."""
+    try:
+        with _open(_join(path, DIGESTS), "r") as f:
+            files = json.load(f)["files"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {DIGESTS} cannot be read ({type(e).__name__}: {e})"
+    for name, written in files.items():
+        file = _join(path, name)
+        try:
+            size = _size(file)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        if size < written["bytes"]:
+            return f"{name} is cut short: {size} of the {written['bytes']} bytes written"
+        if size != written["bytes"] or _sha256(file) != written["sha256"]:
+            return (f"{name} changed since it was written (its SHA-256 is not the one written with it: a bit flipped on "
+                    "the disk or on its way there, or a write over it)")
+    return None
+
+
+def newest_written(paths: list[str], skipped=None) -> str | None:
+    """The newest of `paths` (what a run recorded writing) still complete and intact on disk; None if there is none.
+    Each newer one passed over for its damage is told to `skipped(path, why)`."""
+    return _newest_intact(sorted(set(paths), key=step_of), skipped)
+
+
+def _newest_intact(paths: list[str], skipped) -> str | None:
+    """The last of `paths` (oldest first) that is complete and intact."""
+    for path in reversed(paths):
+        if not complete(path):
+            continue
+        why = damage(path)
+        if why is None:
+            return path
+        if skipped is not None:
+            skipped(path, why)
+    return None
 
 
 def prune(directory: str, keep: int) -> list[str]:

@@ -163,11 +163,12 @@ class ElasticConfig:
     emptied when a run starts, and held by the run until it ends (a second run pointed at it is refused). None:
     ``$MONARCH_PLUGIN_EVENTS`` or ``./monarch_events.jsonl``."""
 
-    checkpoint_dir: str = "monarch_checkpoints"
+    checkpoint_dir: str | None = None
     """Where durable checkpoints are written (a ``step<N>`` directory each, torch.distributed.checkpoint): when the
     run gives up, and every ``checkpoint_steps`` / ``checkpoint_interval_s`` (one writer; `monarch_plugin.checkpoint`).
     A run that writes or resumes them holds the directory until it ends: a second one is refused. An fsspec URL
-    (``s3://bucket/run``, with fsspec and its filesystem installed) is written the same way, but not held."""
+    (``s3://bucket/run``, with fsspec and its filesystem installed) is written the same way, but not held. None:
+    ``checkpoints`` beside the events file, in the run's own directory."""
 
     checkpoint_steps: int = 0
     """An `ElasticLoop` run writes a durable checkpoint every this many committed steps, from one replica, while
@@ -204,6 +205,8 @@ class ElasticConfig:
             self.max_replicas = self.replicas
         if self.events_path is None:
             self.events_path = os.environ.get("MONARCH_PLUGIN_EVENTS", "monarch_events.jsonl")
+        if self.checkpoint_dir is None:  # what the run writes stays together, where its user put the run's events
+            self.checkpoint_dir = os.path.join(os.path.dirname(self.events_path), "checkpoints")
         if self.fault is None:
             self.fault = os.environ.get("MONARCH_PLUGIN_FAULT") or None
         self._check_types()

@@ -62,7 +62,7 @@ from monarch_plugin.protocol import (
     unfit_members,
 )
 from monarch_plugin.target import Target
-from monarch_plugin.checkpoint import clean_stale, newest, newest_written, step_of
+from monarch_plugin.checkpoint import clean_stale, damage, newest, newest_written, step_of
 
 __all__ = ["ElasticController", "RunResult"]
 
@@ -224,6 +224,7 @@ class ElasticController:
         self._read: dict[str, int] = {}  # lines handled of each appended key (`Key.RAISED`, `Key.DRAINS`)
         self._unhandled: Report | None = None  # taken from the queue, not handled yet (`_next_report`)
         self._told_to_stop: str | None = None  # the signal with notice this process received (its name)
+        self._write_error: str | None = None  # why the last writer of a stop's checkpoint could not write it
         self.oom_floor = 0
         """The fewest replicas the run may train on since one ran out of memory (`policies.oom_floor`); 0: no floor."""
 
@@ -259,13 +260,14 @@ class ElasticController:
                 stale = clean_stale(self.config.checkpoint_dir)
                 if stale:
                     self.events.emit("checkpoint_cleaned", paths=stale)
-            if self.config.resume == "auto":  # the replicas all load the same one, found once here
-                self.config = replace(self.config, resume=newest(self.config.checkpoint_dir))
+            damaged = self._resume_from()
             self.events.emit(
                 "run_start", target=self.target.describe(), replicas=self.config.replicas,
                 min_replicas=self.config.min_replicas, max_replicas=self.config.max_replicas,
                 procs_per_replica=self.config.procs_per_replica, store_port=self.store.port,
             )
+            for path, why in damaged:
+                self._damaged(path, why)
             if self._resume_asked:
                 self.events.emit("resume", path=self.config.resume, message=(
                     f"resuming from {self.config.resume}" if self.config.resume else
@@ -296,6 +298,32 @@ class ElasticController:
                 signal.signal(sig, handler)
             if stopped is not None:
                 slurm.requeue(stopped, self.config, self.events)
+
+    def _resume_from(self) -> list[tuple[str, str]]:
+        """The checkpoint the replicas resume (`resume`), checked against the digests written with it: "auto" takes the
+        newest intact one, passing over damaged ones (returned as (path, why), to report); a damaged one named, or only
+        damaged ones there, is a ConfigError before anything is spawned."""
+        if self.config.resume is None:
+            return []
+        if self.config.resume != "auto":
+            why = damage(self.config.resume)
+            if why:
+                raise ConfigError(f"`resume`: the checkpoint {self.config.resume} is damaged: {why}; resume another "
+                                  "one, or 'auto' for the newest intact one in `checkpoint_dir`", "resume")
+            return []
+        damaged: list[tuple[str, str]] = []
+        path = newest(self.config.checkpoint_dir, skipped=lambda p, why: damaged.append((p, why)))
+        if path is None and damaged:
+            raise ConfigError(f"`resume` auto: every complete checkpoint in {self.config.checkpoint_dir} is damaged (the "
+                              f"newest, {damaged[0][0]}: {damaged[0][1]}): resume one by its path if you trust it, or "
+                              "give this run another `checkpoint_dir` to start from scratch", "resume")
+        self.config = replace(self.config, resume=path)  # the replicas all load the same one, found once here
+        return damaged
+
+    def _damaged(self, path: str, why: str) -> None:
+        """A damaged checkpoint passed over for an older one (`checkpoint.damage`)."""
+        self.events.emit("checkpoint_damaged", path=path, why=why)
+        logger.warning("the checkpoint %s is damaged: %s; it is passed over for an older one", path, why)
 
     # -- spawning ------------------------------------------------------------------------------------------
 
@@ -1040,7 +1068,7 @@ class ElasticController:
         still on disk), else the one it resumed from: what a generation left without a holder restores. Never
         another run's: a checkpoint in the same directory that this run did not write was never its state."""
         paths = [e["path"] for e in read_events(self.config.events_path or "") if e["event"] == "checkpoint"]
-        return newest_written(paths) or self.config.resume
+        return newest_written(paths, skipped=self._damaged) or self.config.resume
 
     def _newest_checkpoint(self, live: list[int]) -> str | None:
         """The checkpoint to resume a stopped run from, when none was written on the way out: the newest one the
@@ -1096,13 +1124,14 @@ class ElasticController:
              if (r.state.live or (r.raised is not None and not r.ended)) and r.control is not None])
         self.events.emit("give_up", reason=reason, checkpoint=checkpoint, resume_from=resume_from)
         self._stop_everything()
+        lost = (f"its checkpoint could not be written ({self._write_error})" if self._write_error else
+                "no live replica held the run's trained state to write")
         if checkpoint:
             where = f"checkpoint written to {checkpoint}"
         elif resume_from:
-            where = (f"no live replica held the run's trained state to write: resume from {resume_from}, the newest "
-                     "checkpoint")
+            where = f"{lost}: resume from {resume_from}, the newest checkpoint"
         else:
-            where = "no live replica held the run's trained state to write, and no checkpoint of it was found"
+            where = f"{lost}, and no checkpoint of it was found"
         stopped = error(f"monarch-plugin stopped the run: {reason}; {where}{detail}", resume_from)
         if isinstance(stopped, RunStopped):  # a `SystemExit`: uncaught, it ends the process without a word
             if resume_from:
@@ -1140,10 +1169,13 @@ class ElasticController:
                 replica.state = ReplicaState.STOPPED
                 if replica is writer and (path or raised is None):
                     return path  # None: the front end writes no checkpoint of its own
+            if writer.raised is not None:
+                self._write_error = writer.raised.error
             holders = [m for m in holders if self.replicas[m].state == ReplicaState.MEMBER]
             if holders:
+                why = f"raised {writer.raised.error}" if writer.raised else writer.state.value
                 logger.warning("replica %d did not write the checkpoint (%s): replica %d writes it instead", writer.rid,
-                               writer.state.value, holders[0])
+                               why, holders[0])
         return None
 
     def _raised_holding(self, replica: _Replica, raised: Raised) -> None:

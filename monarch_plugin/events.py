@@ -6,6 +6,7 @@ a recovery (death -> quorum -> dropped step -> spawn -> heal -> join) can be rea
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -42,6 +43,20 @@ class EventLog:
         self.source = source
         self.share = share
         self._lock = threading.Lock()
+        self._lost = False  # the last write failed (said once, until one succeeds again)
+
+    def _append(self, line: str) -> None:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
+        except FileNotFoundError:  # its directory is not there yet: made on the first event
+            make_dirs(os.path.dirname(os.path.abspath(self.path)), self.share)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
+        data = (("\n" if self._lost else "") + line).encode()  # after a line cut short: a line of its own
+        try:
+            if os.write(fd, data) < len(data):  # the disk filled mid-line: what is left would fail the same way
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            os.close(fd)
 
     def emit(self, kind: str, message: str | None = None, level: int | None = None, **fields: Any) -> dict:
         record = {"ts": time.time(), "event": kind, "source": self.source, **fields}
@@ -51,14 +66,14 @@ class EventLog:
         if self.path:
             with self._lock:
                 try:
-                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
-                except FileNotFoundError:  # its directory is not there yet: made on the first event
-                    make_dirs(os.path.dirname(os.path.abspath(self.path)), self.share)
-                    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
-                try:
-                    os.write(fd, line.encode())
-                finally:
-                    os.close(fd)
+                    self._append(line)
+                except OSError as e:  # a full disk: the run goes on, its events are lost until there is room
+                    if not self._lost:
+                        logger.warning("the events file %s cannot be written (%s): events are lost until it can be "
+                                       "(free space on its filesystem)", self.path, e.strerror)
+                    self._lost = True
+                else:
+                    self._lost = False
         level = LEVELS.get(kind, logging.INFO) if level is None else level
         if logger.isEnabledFor(level):  # most events are DEBUG lines nobody shows: don't format them
             details = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("traceback",))
@@ -67,8 +82,15 @@ class EventLog:
 
 
 def read_events(path: str) -> list[dict]:
-    """All events of a run in file order (which is time order)."""
+    """All events of a run in file order (which is time order); a line a full disk cut short is left out."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [record for line in f if line.strip() and (record := _parsed(line)) is not None]
+
+
+def _parsed(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None

@@ -11,6 +11,7 @@ the lock files 0600, and the directories made for them, the checkpoint directory
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -23,7 +24,7 @@ from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.filemodes import file_mode, make_dirs
 
-__all__ = ["RunLock", "hold", "holds_checkpoints"]
+__all__ = ["RunLock", "hold", "holds_checkpoints", "unwritable"]
 
 LOCK_NAME = ".lock"
 """The lock file in a checkpoint directory; an events file's is beside it, `<events>.lock`."""
@@ -59,9 +60,30 @@ def hold(config: ElasticConfig) -> list["RunLock"]:
         except OSError as e:
             for lock in locks:
                 lock.release()
-            raise ConfigError(f"the events file {config.events_path} cannot be written ({e.strerror}): give this run "
-                              "an `events_path` it can write", "events_path") from None
+            raise unwritable(f"the events file {config.events_path}", "events_path", config.events_path, e) from None
     return locks
+
+
+def unwritable(what: str, option: str, path: str, error: OSError) -> ConfigError:
+    """The one line for `what` (the file `path` in it, set by `option`) that this run cannot write: on a full
+    filesystem, which directory, how full, and the fix."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(where):
+            where = os.path.dirname(where)
+        fs = os.statvfs(where)
+        return ConfigError(f"{what} cannot be written: the filesystem of {where} is full ({error.strerror}; "
+                           f"{_size(fs.f_bavail * fs.f_frsize)} free of {_size(fs.f_blocks * fs.f_frsize)}): free "
+                           f"space there, or give this run a `{option}` on another filesystem", option)
+    return ConfigError(f"{what} cannot be written ({error.strerror}): give this run a `{option}` it can write", option)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _create(path: str, share: bool) -> None:
@@ -90,9 +112,15 @@ class RunLock:
     def __init__(self, path: str, what: str, option: str, share: bool = False):
         """`path`: the lock file. `what` names what it guards and `option` the setting to change, in messages.
         `share`: the lock file, and the directories made for it, readable by others too (`filemodes`)."""
-        self.path = path
-        make_dirs(os.path.dirname(os.path.abspath(path)), share)
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode(share))
+        self.path, self._fd = path, None
+        try:
+            make_dirs(os.path.dirname(os.path.abspath(path)), share)
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode(share))
+            if os.fstatvfs(self._fd).f_bavail == 0:  # what the run will write there could not be
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as e:
+            self.release()
+            raise unwritable(what, option, path, e) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -106,8 +134,12 @@ class RunLock:
                               f"a `{option}` on one that has", option) from None
         record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
                              "command": " ".join(sys.argv)[:300]}).encode()
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, record, 0)
+        try:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, record, 0)
+        except OSError as e:
+            self.release()
+            raise unwritable(what, option, path, e) from None
 
     def release(self) -> None:
         if self._fd is not None:

@@ -200,6 +200,37 @@ def elastic_run(tmp_path):
 
 
 @pytest.fixture
+def small_disk(tmp_path):
+    """A filesystem of its own (a 1 MiB tmpfs, which only root may mount), for what a full disk does to a run: `fill`
+    takes every byte of it, `free` gives them back. Unmounted after the test, pass or fail."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = SmallDisk(tmp_path / "disk")
+    yield disk
+    subprocess.run(["umount", "--lazy", str(disk.path)], check=False, timeout=30)
+
+
+class SmallDisk:
+    def __init__(self, path: Path):
+        self.path = path
+        path.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], check=True, timeout=30)
+
+    def fill(self) -> None:
+        fd = os.open(self.path / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            while os.write(fd, bytes(4096)):
+                pass
+        except OSError:  # full
+            pass
+        finally:
+            os.close(fd)
+
+    def free(self) -> None:
+        (self.path / "filler").unlink(missing_ok=True)
+
+
+@pytest.fixture
 def hosts(tmp_path):
     """Network-namespace hosts (`netns.NetnsHosts`), made by `hosts(count)`; all removed after the test."""
     import netns

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from monarch_plugin.checkpoint import is_url
+from monarch_plugin.checkpoint import is_url, write_digests
 from monarch_plugin.filemodes import make_dirs
 
 __all__ = ["CheckpointException", "describe", "load", "read_metadata", "save"]
@@ -37,12 +37,29 @@ def save(state: dict, path: str, group: dist.ProcessGroup | None, share: bool = 
     if is_url(path):
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter  # needs fsspec: imported here
 
-        writer = FsspecWriter(path)
+        writer = type("_DigestedFsspecWriter", (_Digested, FsspecWriter), {})(path)
     else:
         make_dirs(path, share)
-        writer = dcp.FileSystemWriter(path)
+        writer = _DigestedWriter(path)
+    writer.digests_for, writer.share = path, share
     with _alone(group):
         dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+
+
+class _Digested:
+    """A DCP writer whose coordinator records the size and SHA-256 of every file the procs wrote (`write_digests`) just
+    before the metadata that makes the checkpoint complete: a complete checkpoint can be checked (`checkpoint.damage`)."""
+
+    digests_for: str
+    share: bool
+
+    def finish(self, metadata, results) -> None:
+        write_digests(self.digests_for, [w.storage_data.relative_path for ws in results for w in ws], self.share)
+        super().finish(metadata, results)
+
+
+class _DigestedWriter(_Digested, dcp.FileSystemWriter):
+    pass
 
 
 def load(template: dict, path: str, group: dist.ProcessGroup | None) -> dict:

@@ -14,6 +14,8 @@ replica. Under plain `python` it is an ordinary single-process loop.
 from __future__ import annotations
 
 import contextlib
+import logging
+import pickle
 import re
 import threading
 from dataclasses import dataclass, field
@@ -21,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from monarch_plugin.checkpoint import complete, newest, step_path
+from monarch_plugin.checkpoint import complete, damage, newest, step_path
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
@@ -30,6 +32,8 @@ from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 
 __all__ = ["ElasticLoop", "Step"]
+
+logger = logging.getLogger("monarch_plugin")
 
 
 @dataclass
@@ -350,26 +354,36 @@ class ElasticLoop:
 
     def resume(self, path: str) -> bool:
         """Load a durable checkpoint (before iterating): its `step<N>` directory, or "auto" for the newest complete
-        one in `checkpoint_dir`. Under `monarch-run --resume` the initial replicas call it themselves. False if
-        "auto" found none.
+        one in `checkpoint_dir` whose files are as they were written (a damaged one is passed over, with a warning).
+        Under `monarch-run --resume` the initial replicas call it themselves, the controller having checked it. False
+        if "auto" found none.
 
         It may have been written by replicas of another number of procs: DCP reshards the model and optimizer onto
         this proc's part. Each proc takes the random generators of the proc of its local rank that wrote it; when
         there are more procs now, local rank k takes those of k modulo the procs that wrote (two procs then draw
         the same numbers, as the replicas do), and when there are fewer, the extra procs' generators are left."""
         if path == "auto":
-            path = newest(self.config.checkpoint_dir)
+            path = newest(self.config.checkpoint_dir, skipped=lambda p, why: logger.warning(
+                "the checkpoint %s is damaged: %s; it is passed over for an older one", p, why))
             if path is None:
                 return False
         if not complete(path):
             raise ValueError(f"{path} is not a complete checkpoint (no DCP metadata in it): give a step<N> directory "
                              "that a run finished writing, or 'auto' for the newest complete one")
+        why = damage(path) if self.ctx is None else None  # under a controller: checked there, once for all
+        if why:
+            raise ValueError(f"the checkpoint {path} is damaged: {why}; resume another one, or 'auto' for the newest "
+                             "intact one")
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         from monarch_plugin.worker import dcp_io  # DCP: imported when a checkpoint is read, not at a replica's start
 
-        saved = {key.split(".")[0] for key in dcp_io.read_metadata(path).state_dict_metadata
-                 if key.startswith("lane")}
+        try:
+            metadata = dcp_io.read_metadata(path)
+        except (pickle.UnpicklingError, EOFError, OSError) as e:
+            raise ValueError(f"the checkpoint {path} is damaged: its .metadata cannot be read ({dcp_io.describe(e)}); "
+                             "resume another one, or 'auto' for the newest intact one") from e
+        saved = {key.split(".")[0] for key in metadata.state_dict_metadata if key.startswith("lane")}
         lane = self._lane % len(saved) if saved else self._lane
         try:
             state = dcp_io.load(self.checkpoint_state(lane), path, self._checkpoint_group())

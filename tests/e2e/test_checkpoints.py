@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -89,3 +90,78 @@ def test_a_second_run_on_the_same_checkpoint_directory_or_events_file_is_refused
     assert first.wait(timeout=180) == 0, first.output
     assert len(first.events("run_start")) == 1 and first.events("finished")  # never truncated by the others
     assert not (first.tmp / "second.jsonl").exists()  # refused before anything was started or written
+
+
+def _largest(checkpoint) -> str:
+    return max((p for p in checkpoint.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+
+
+def test_damaged_checkpoints_are_refused_by_name_and_passed_over_by_resume_auto(elastic_run):
+    """The newest checkpoint with a low bit flipped in four bytes of its largest file, the one before it cut short:
+    named, one is refused before anything is spawned; `--resume auto` passes over both, saying why, and goes on from
+    the newest intact one exactly."""
+    first = elastic_run()
+    ckpt = first.tmp / "ckpt"
+    first.start("--replicas", "2", "--checkpoint-steps", str(EVERY), "--checkpoint-keep", "0",
+                script=WORKLOADS / "logged_loop.py", script_args=(*LOOP[:-1], "0.05", "--out", str(first.out)))
+    assert first.wait(timeout=120) == 0, first.output
+    newest, before = ckpt / "step00000028", ckpt / "step00000024"
+    with open(_largest(newest), "r+b") as f:
+        for at in (1000, 2000, 3000, 4000):
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 1]))
+    os.truncate(_largest(before), _largest(before).stat().st_size - 100)
+
+    cli = [sys.executable, "-m", "monarch_plugin.cli", "--replicas", "2", "--checkpoint-dir", str(ckpt)]
+    script = [str(WORKLOADS / "logged_loop.py"), *LOOP[:-1], "0.05", "--out", str(first.out)]
+    named = subprocess.run([*cli, "--events", str(first.tmp / "named.jsonl"), "--resume", str(newest), *script],
+                           capture_output=True, text=True, timeout=60)
+    assert named.returncode == 2, named.stderr
+    assert f"the checkpoint {newest} is damaged: __0_0.distcp changed since it was written" in named.stderr
+    assert "Traceback" not in named.stderr and "spawn" not in (first.tmp / "named.jsonl").read_text()
+
+    resumed = elastic_run()
+    resumed.start("--replicas", "2", "--checkpoint-dir", str(ckpt), "--resume", "auto",
+                  script=WORKLOADS / "logged_loop.py", script_args=(*LOOP[:-1], "0.05", "--out", str(resumed.out)))
+    assert resumed.wait(timeout=120) == 0, resumed.output
+    assert [(e["path"], e["why"].split(" ", 1)[1]) for e in resumed.events("checkpoint_damaged")] == [
+        (str(newest), "changed since it was written (its SHA-256 is not the one written with it: a bit flipped on "
+                      "the disk or on its way there, or a write over it)"),
+        (str(before), f"is cut short: {_largest(before).stat().st_size} of the "
+                      f"{_largest(before).stat().st_size + 100} bytes written")]
+    [resume] = resumed.events("resume")
+    assert resume["path"] == str(ckpt / "step00000020") and "is damaged" in resumed.output
+    assert _steps(resumed) == _steps(first)[20:]  # the same batches and losses, exactly
+    assert {r["checksum"] for r in resumed.results().values()} == {first.results()[0]["checksum"]}
+
+
+def test_a_disk_that_fills_mid_run_fails_checkpoints_not_the_run_and_a_stop_then_says_why(elastic_run, small_disk):
+    """The checkpoint directory's filesystem fills mid-run: the periodic writes fail (`checkpoint_failed`) while
+    training goes on; the controller told to stop then cannot write its checkpoint either, and says so, naming the
+    newest one to resume from; with room again, that resume goes on from it."""
+    run = elastic_run()
+    ckpt = small_disk.path / "ckpt"
+    run.start("--replicas", "2", "--checkpoint-steps", "2", "--checkpoint-keep", "2", "--checkpoint-dir", str(ckpt),
+              script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(run.out)))
+    run.wait_for(lambda: len(run.events("checkpoint")) >= 2, timeout=120, what="two checkpoints")
+    small_disk.fill()
+    run.wait_for(lambda: len(run.events("checkpoint_failed")) >= 2, timeout=60, what="two failed writes")
+    at = len(_steps(run))
+    run.wait_for(lambda: len(_steps(run)) >= at + 2, timeout=60, what="training on")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(timeout=120) == 143, run.output
+    assert all("No space left on device" in e["error"] for e in run.events("checkpoint_failed"))
+    [give_up] = run.events("give_up")
+    newest = max(e["path"] for e in run.events("checkpoint"))
+    assert give_up["checkpoint"] is None and give_up["resume_from"] == newest
+    assert "its checkpoint could not be written (" in run.output and "No space left on device" in run.output
+    assert f"resume from {newest}, the newest checkpoint" in run.output
+    small_disk.free()
+    resumed = elastic_run()
+    resumed.start("--replicas", "2", "--checkpoint-dir", str(ckpt), "--resume", "auto",
+                  script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--out", str(resumed.out)))
+    assert resumed.wait(timeout=120) == 0, resumed.output
+    step = int(os.path.basename(newest)[4:])
+    assert [r["step"] for r in _steps(run)[:step] + _steps(resumed)] == list(range(TOTAL))

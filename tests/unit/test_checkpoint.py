@@ -7,6 +7,7 @@ shape) is in tests/e2e/test_checkpoints.py.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import threading
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from monarch_plugin import ConfigError, ElasticConfig, ElasticLoop
-from monarch_plugin.checkpoint import clean_stale, newest, newest_written, prune, step_path
+from monarch_plugin.checkpoint import DIGESTS, clean_stale, damage, newest, newest_written, prune, step_path
 from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
 from monarch_plugin.worker import dcp_io
 from monarch_plugin.worker.dcp_io import read_metadata, save
@@ -153,7 +154,7 @@ def test_a_checkpoint_round_trips_and_one_of_another_model_is_refused_naming_the
     with pytest.raises(ValueError, match=r"is not of this model and optimizer .* drop `resume`"):
         _loop(5).resume(path)
     monkeypatch.chdir(tmp_path)
-    assert not _loop(4).resume("auto")  # "auto": none in ./monarch_checkpoints
+    assert not _loop(4).resume("auto")  # "auto": none in ./checkpoints, beside ./monarch_events.jsonl
 
 
 def test_an_fsspec_url_is_written_found_pruned_and_resumed_as_a_local_path_is():
@@ -169,3 +170,52 @@ def test_an_fsspec_url_is_written_found_pruned_and_resumed_as_a_local_path_is():
     assert second.resume(newest(directory)) and second.step == 6
     assert all(torch.equal(a, b) for a, b in zip(first.model.parameters(), second.model.parameters()))
     assert ElasticConfig(resume=newest(directory)).resume == f"{directory}/step00000006"  # not a local path: found on load
+
+
+def _largest(path: str) -> str:
+    return max((os.path.join(path, n) for n in os.listdir(path) if n.endswith(".distcp")), key=os.path.getsize)
+
+
+def test_a_damaged_checkpoint_is_named_so_and_auto_passes_over_it_for_the_newest_intact_one(tmp_path, caplog):
+    """DCP has no checksum: a file cut short fails its load as "another model", a bit flipped loads without a word.
+    The digests written with each checkpoint tell both, naming the file."""
+    paths = {}
+    for step in (2, 4, 6, 8):
+        loop = _loop(4)
+        loop.step = step
+        paths[step] = step_path(str(tmp_path), step)
+        save(loop.checkpoint_state(), paths[step], None)
+    digests = json.loads((tmp_path / "step00000008" / DIGESTS).read_text())
+    name = os.path.basename(_largest(paths[8]))
+    assert digests["algorithm"] == "sha256" and set(digests["files"]) == {name}
+    assert digests["files"][name]["bytes"] == os.path.getsize(_largest(paths[8]))
+    assert all(damage(p) is None for p in paths.values())
+
+    with open(_largest(paths[8]), "r+b") as f:  # a low bit flipped in each of four bytes: bit rot, a bad DMA
+        for at in (100, 200, 300, 400):
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 1]))
+    size = os.path.getsize(_largest(paths[6]))
+    os.truncate(_largest(paths[6]), size // 2)  # cut short: a failing disk, a half-synced shared filesystem
+    os.remove(_largest(paths[4]))
+    assert damage(paths[8]).startswith(f"{name} changed since it was written (its SHA-256 is not the one written")
+    assert damage(paths[6]) == f"{name} is cut short: {size // 2} of the {size} bytes written"
+    assert damage(paths[4]) == f"{name} is missing"
+    skipped = []
+    assert newest(str(tmp_path), skipped=lambda p, why: skipped.append(p)) == paths[2]
+    assert skipped == [paths[8], paths[6], paths[4]]
+    assert newest_written(list(paths.values())[1:]) is None  # what a run wrote, none of it intact
+
+    with pytest.raises(ValueError, match=r"step00000008 is damaged: .* changed since it was written.*'auto' for the "
+                                         "newest intact one"):
+        _loop(4).resume(paths[8])
+    with caplog.at_level("WARNING", logger="monarch_plugin"):
+        resumed = _loop(4)
+        resumed.config.checkpoint_dir = str(tmp_path)
+        assert resumed.resume("auto") and resumed.step == 2
+    assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "monarch_plugin"] == [
+        f"the checkpoint {p} is damaged" for p in skipped]
+    os.remove(tmp_path / "step00000002" / DIGESTS)  # written before digests were: nothing to check it by
+    assert damage(paths[2]) is None
