@@ -205,11 +205,11 @@ class ElasticConfig:
             self.max_replicas = self.replicas
         if self.events_path is None:
             self.events_path = os.environ.get("MONARCH_PLUGIN_EVENTS", "monarch_events.jsonl")
-        if self.checkpoint_dir is None:  # what the run writes stays together, where its user put the run's events
-            self.checkpoint_dir = os.path.join(os.path.dirname(self.events_path), "checkpoints")
         if self.fault is None:
             self.fault = os.environ.get("MONARCH_PLUGIN_FAULT") or None
         self._check_types()
+        if self.checkpoint_dir is None:  # what the run writes stays together, where its user put the run's events
+            self.checkpoint_dir = os.path.join(os.path.dirname(self.events_path), "checkpoints")
         self.hosts = list(self.hosts)
         if self.slurm is None:
             self.slurm = not (self.hosts or self.hosts_file) and in_slurm_allocation(os.environ)

@@ -45,18 +45,22 @@ class EventLog:
         self._lock = threading.Lock()
         self._lost = False  # the last write failed (said once, until one succeeds again)
 
-    def _append(self, line: str) -> None:
+    def _append(self, line: str) -> str | None:
+        """Append one line; None, or why it could not be (whole: a full disk may cut it short)."""
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
-        except FileNotFoundError:  # its directory is not there yet: made on the first event
-            make_dirs(os.path.dirname(os.path.abspath(self.path)), self.share)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
-        data = (("\n" if self._lost else "") + line).encode()  # after a line cut short: a line of its own
-        try:
-            if os.write(fd, data) < len(data):  # the disk filled mid-line: what is left would fail the same way
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        finally:
-            os.close(fd)
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
+            except FileNotFoundError:  # its directory is not there yet: made on the first event
+                make_dirs(os.path.dirname(os.path.abspath(self.path)), self.share)
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode(self.share))
+            data = (("\n" if self._lost else "") + line).encode()  # after a line cut short: a line of its own
+            try:
+                written = os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            return e.strerror
+        return None if written == len(data) else os.strerror(errno.ENOSPC)  # the rest would fail the same way
 
     def emit(self, kind: str, message: str | None = None, level: int | None = None, **fields: Any) -> dict:
         record = {"ts": time.time(), "event": kind, "source": self.source, **fields}
@@ -65,15 +69,11 @@ class EventLog:
         line = json.dumps(record, default=str) + "\n"
         if self.path:
             with self._lock:
-                try:
-                    self._append(line)
-                except OSError as e:  # a full disk: the run goes on, its events are lost until there is room
-                    if not self._lost:
-                        logger.warning("the events file %s cannot be written (%s): events are lost until it can be "
-                                       "(free space on its filesystem)", self.path, e.strerror)
-                    self._lost = True
-                else:
-                    self._lost = False
+                why = self._append(line)
+                if why and not self._lost:  # a full disk: the run goes on, its events are lost until there is room
+                    logger.warning("the events file %s cannot be written (%s): events are lost until it can be (free "
+                                   "space on its filesystem)", self.path, why)
+                self._lost = why is not None
         level = LEVELS.get(kind, logging.INFO) if level is None else level
         if logger.isEnabledFor(level):  # most events are DEBUG lines nobody shows: don't format them
             details = " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("traceback",))

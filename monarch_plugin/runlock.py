@@ -116,11 +116,13 @@ class RunLock:
         try:
             make_dirs(os.path.dirname(os.path.abspath(path)), share)
             self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, file_mode(share))
-            if os.fstatvfs(self._fd).f_bavail == 0:  # what the run will write there could not be
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            full = os.fstatvfs(self._fd).f_bavail == 0  # what the run will write there could not be
         except OSError as e:
             self.release()
             raise unwritable(what, option, path, e) from None
+        if full:
+            self.release()
+            raise unwritable(what, option, path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
