@@ -214,6 +214,7 @@ class ElasticController:
         self._last_death = ""
         self._spawners: dict[int, threading.Thread] = {}  # replica -> the thread that starts it, then awaits it
         self._stalls_seen: dict[int, float] = {}  # generation -> when its stall report was first seen
+        self._stall_counts: dict[int, int] = {}  # generation -> its `Key.stalled` count when last looked at
         self._announced_at = 0.0
         self._wedge_checked = -1  # the last generation probed for members wedged in an older formation
         self._stall_probed = -1  # the last generation probed for the member its stall waits on
@@ -405,11 +406,16 @@ class ElasticController:
         self.events.emit("spawn", replica=replica.rid, pids=replica.pids, initial=replica.initial,
                          host=self.hosts.host_of(replica.rid).name, seconds=round(time.time() - replica.spawned_at, 3))
         self._q.put(Spawned(replica.rid))
-        try:
-            results = list(future.get().values())
-        except Exception as e:  # noqa: BLE001 - supervision errors mean the process died
-            self._q.put(Died(replica.rid, f"supervision ({type(e).__name__}: {_first_line(e)})"))
-            return
+        while True:
+            try:
+                results = list(future.get(timeout=_PROBE_TIMEOUT_S).values())
+                break
+            except TimeoutError:  # training goes on; but a lost host's procs never answer, nor does Monarch for them
+                if not self.hosts.hosts[replica.host].live:  # its loss took the replica (`HostLost`)
+                    return
+            except Exception as e:  # noqa: BLE001 - supervision errors mean the process died
+                self._q.put(Died(replica.rid, f"supervision ({type(e).__name__}: {_first_line(e)})"))
+                return
         self._q.put(Returned(replica.rid, results))
 
     def _wait_for_initial(self) -> None:
@@ -938,13 +944,23 @@ class ElasticController:
                          name=f"monarch-plugin-probe-{g}").start()
 
     def _check_stalled(self) -> None:
-        key = Key.stalled(self.gen)
-        if self.gen < 0 or self._stall_probed == self.gen or not self.store.check([key]):
+        """A member's proc said its collective or formation in the current generation failed (`Key.stalled_by`, signed):
+        its peers are probed. The count it moves first only says when to look: anyone can move it."""
+        g = self.gen
+        if g < 0 or self._stall_probed == g:
             return
+        if g not in self._stalls_seen:
+            count = self.store.add(Key.stalled(g), 0)
+            if count <= self._stall_counts.get(g, 0):
+                return
+            self._stall_counts[g] = count
+            lanes = range(self.config.procs_per_replica)
+            if not any(self._verified([Key.stalled_by(g, m, lane)]) for m in self.plans[g] for lane in lanes):
+                return  # only the count moved: nothing any member said
+            self._stalls_seen[g] = time.monotonic()
         # A peer's death is what usually breaks a collective, and it reaches us by pidfd or supervision
         # within milliseconds of the survivors' report: let it, rather than probe a dead member.
-        first_seen = self._stalls_seen.setdefault(self.gen, time.monotonic())
-        if time.monotonic() - first_seen < _STALL_GRACE_S:
+        if time.monotonic() - self._stalls_seen[g] < _STALL_GRACE_S:
             return
         self._stall_probed = self.gen
         self._probe(wedged=False)

@@ -118,8 +118,9 @@ class Plan:
 
 class Key:
     """The store's keys. Every value is signed with the run's secret (`signing.SignedStore`); what several procs each
-    say (ready, formed, holds, arrived) is a key per proc, since a sum of `add`s carries no signature. The counters left
-    (`stalled`, the appended reports' counts, the host watchers' beats) only make a reader look sooner, or later."""
+    say (ready, formed, holds, arrived, stalled) is a key per proc, since a sum of `add`s carries no signature. The
+    counters left (`stalled`, the appended reports' counts, the host watchers' beats) only make a reader look sooner, or
+    later, for what the signed keys and lines say."""
 
     LATEST = "latest"
     """The newest generation's number, set after its plan."""
@@ -150,8 +151,15 @@ class Key:
 
     @staticmethod
     def stalled(gen: int) -> str:
-        """Counter: procs whose collective or formation in the generation timed out or failed."""
+        """Counter: procs whose collective or formation in the generation timed out or failed, counted after each set its
+        `stalled_by` key. Anyone can move it: it only makes the controller look for those keys."""
         return f"stalled/{gen}"
+
+    @staticmethod
+    def stalled_by(gen: int, replica: int, lane: int) -> str:
+        """Set by proc `lane` of member `replica` whose collective or formation in the generation timed out or failed:
+        what the controller acts on (it probes the members)."""
+        return f"stalled/{gen}/{replica}/{lane}"
 
     @staticmethod
     def unfit(gen: int) -> str:

@@ -3,8 +3,8 @@ unprivileged user of this machine (the system's Python, with the project's packa
 the store's port like any local process can. It writes under the runtime's own keys with a plain TCPStore client,
 and prints a line for each thing it did, which the test reads back.
 
-    python tests/attacker.py --port P steer     # forged reports, plans and a stall, then a formation's addresses
-    python tests/attacker.py --port P preempt   # the next formation's decision taken before the members decide it
+    python tests/attacker.py --port P steer     # forged reports, plans and a stall, then the next formation's addresses
+    python tests/attacker.py --port P preempt   # the next formation's decision taken before its members decide it
     python tests/attacker.py --host IP --port P hosts   # a host's deaths and another's loss, from the job network
 """
 
@@ -71,7 +71,7 @@ def steer(port: int, replicas: int) -> None:
     store = client(port)
     g = generation(store)
     say("read", gen=g)
-    # The formation the forged stall below makes the controller start: its members' addresses, overwritten.
+    # The next formation (the test brings one about): its members' addresses, overwritten.
     rendezvous = threading.Thread(target=overwrite_addresses, args=(port, f"pg/{g + 1}/0", replicas, 1.0))
     rendezvous.start()
     plan = json.dumps({"gen": g + 5, "members": [0], "action": "checkpoint", "reason": "forged", "target": 1,
@@ -86,21 +86,20 @@ def steer(port: int, replicas: int) -> None:
     store.add("raised/count", 1)
     store.append("drains", json.dumps({"replica": 1, "lane": 0, "signal": "SIGTERM", "pid": 1, "host": -1}) + "\n")
     store.add("drains/count", 1)
-    store.append(f"stalled/{g}/unfit", json.dumps({"replica": 0, "why": "forged"}) + "\n")
-    say("forged", keys=["raised", "drains", f"stalled/{g}/unfit"])
+    store.append(f"stalled/{g + 1}/unfit", json.dumps({"replica": 0, "why": "forged"}) + "\n")  # read on its stall
+    say("forged", keys=["raised", "drains", f"stalled/{g + 1}/unfit"])
     store.add(f"stalled/{g}", 1)  # counters carry no signature: this one makes the controller look, no more
+    store.set(f"stalled/{g}/0/0", b"1")  # and the key it looks for, unsigned
     say("stalled", gen=g)
     rendezvous.join()
 
 
 def preempt(port: int) -> None:
-    """The next formation's outcome decided before its members decide it, then that formation brought about."""
+    """The next formation's outcome decided before its members decide it (the test brings that formation about)."""
     store = client(port)
     g = generation(store)
     store.set(f"pg/{g + 1}/0/decision", b"go")
     say("forged", keys=[f"pg/{g + 1}/0/decision"])
-    store.add(f"stalled/{g}", 1)
-    say("stalled", gen=g)
 
 
 def hosts(port: int) -> None:

@@ -25,10 +25,12 @@ class CheckpointWriter:
     coordinates the write (the group's rank 0) reports it and prunes once it is complete."""
 
     def __init__(self, directory: str, every_steps: int, every_s: float, coordinator: bool,
-                 emit: Callable[..., None], keep: int = 0, share: bool = False):
-        """`share`: the checkpoints' directories readable by others too (`ElasticConfig.share_files`)."""
+                 emit: Callable[..., None], *, bound_s: float, keep: int = 0, share: bool = False):
+        """`share`: the checkpoints' directories readable by others too (`ElasticConfig.share_files`). `bound_s`: the
+        longest `wait` waits for a write (`ElasticConfig.join_timeout_s`)."""
         self._directory, self._every_steps, self._every_s, self._keep = directory, every_steps, every_s, keep
-        self._share = share
+        self._share, self._bound_s = share, bound_s
+        self._step = -1  # the step of the write in progress
         self._coordinator, self._emit = coordinator, emit
         self._last_at = time.monotonic()
         self._thread: threading.Thread | None = None
@@ -46,19 +48,29 @@ class CheckpointWriter:
 
     def write(self, step: int, state: dict, group: dist.ProcessGroup | None) -> None:
         self.wait()  # at once when called as meant, not `busy()`; the staging buffers are free again then
+        if self.busy():  # a write that hangs: none is started over it
+            return
         copy = detached_copy(state, self._staging)
         if self._staging:
             torch.cuda.synchronize()  # the pinned copies are in place before the thread reads them
         self._last_at = time.monotonic()
+        self._step = step
         self._thread = threading.Thread(target=self._save, args=(step, copy, group), daemon=True,
                                         name="monarch-plugin-checkpoint")
         self._thread.start()
 
     def wait(self) -> None:
-        """Until the write in progress (if any) is on disk; before the loop ends, so the last one is kept."""
-        if self._thread is not None:
-            self._thread.join()
+        """Until the write in progress (if any) is on disk; before the loop ends, so the last one is kept. A write still
+        going after `bound_s` (a filesystem that stopped answering) is given up on, with a `checkpoint_failed` event: it
+        is left to its thread, and nothing is written over it (`busy`)."""
+        if self._thread is None:
+            return
+        self._thread.join(self._bound_s)
+        if not self._thread.is_alive():
             self._thread = None
+        elif self._coordinator:
+            self._emit("checkpoint_failed", step=self._step, path=step_path(self._directory, self._step),
+                       error=f"the write did not finish in {self._bound_s:g} s (`join_timeout_s`): given up on")
 
     def _save(self, step: int, state: dict, group: dist.ProcessGroup | None) -> None:
         t0 = time.monotonic()

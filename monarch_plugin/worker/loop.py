@@ -127,7 +127,7 @@ class ElasticLoop:
         self._checkpoints = (
             CheckpointWriter(config.checkpoint_dir, config.checkpoint_steps, config.checkpoint_interval_s,
                              self._lane == 0, self.ctx.events.emit, keep=config.checkpoint_keep,
-                             share=config.share_files)
+                             share=config.share_files, bound_s=config.join_timeout_s)
             if self.ctx and (config.checkpoint_steps or config.checkpoint_interval_s) else None
         )
         if self.ctx and self.ctx.initial and config.resume:  # a replacement heals from its peers instead

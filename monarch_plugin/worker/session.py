@@ -140,7 +140,7 @@ class ReplicaSession:
                 if not isinstance(e, GenerationChanged):
                     # Nobody has moved on (a construction error, a heal past its bound): the controller
                     # finds out who is stuck and plans the next generation; this worker waits for it.
-                    self.ctx.store.add(Key.stalled(plan.gen), 1)
+                    self._stalled(plan.gen)
             failed, _, steps = self._vote(failed=failure is not None, gen=plan.gen, step=held)
             if not failed and steps[0] != steps[1]:
                 # Each proc healed its own shard from the donor's proc of the same lane: procs at different steps
@@ -179,9 +179,13 @@ class ReplicaSession:
             store.set(key, plan.dumps())
             return plan
         started = time.monotonic()
+        bound = self.ctx.config.join_timeout_s + FORMATION_BOUND_S  # local rank 0's own wait, and its pick after it
         while not store.check([key]):
             if self.flags.stop:
                 raise StopReplica("the controller stopped this replica")
+            if not waiting and time.monotonic() - started > bound:  # a waiting one waits as long as the controller says
+                raise ProtocolError("join", f"local rank 0 of replica {self.ctx.replica_id} picked no generation for "
+                                    f"this proc in {bound:.0f} s")
             time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
         raw = store.get(key)
         pick = json.loads(raw)
@@ -332,13 +336,19 @@ class ReplicaSession:
                              seconds=round(time.time() - t0, 4), newest_seen=self.newest_seen)
         return step
 
+    def _stalled(self, gen: int) -> None:
+        """Tell the controller that a collective or formation of this proc's in generation `gen` failed or timed out: a
+        signed key of this proc's (what it acts on), then the count it polls (which only makes it look)."""
+        self.ctx.store.set(Key.stalled_by(gen, self.ctx.replica_id, self.ctx.local_rank), b"1")
+        self.ctx.store.add(Key.stalled(gen), 1)
+
     def report_unfit(self, gen: int, why: str, replica: int | None = None) -> None:
         """Tell the controller a replica (this one, unless named) cannot go on in generation `gen` although its procs
         answer: it is replaced as a hung one is."""
         replica = self.ctx.replica_id if replica is None else replica
         self.ctx.events.emit("unfit", replica=replica, gen=gen, why=why)
         self.ctx.store.append(Key.unfit(gen), unfit_line(replica, why))
-        self.ctx.store.add(Key.stalled(gen), 1)
+        self._stalled(gen)
 
     # -- steps ---------------------------------------------------------------------------------------
 
@@ -364,7 +374,7 @@ class ReplicaSession:
                 if not isinstance(e, GenerationChanged):
                     # A timeout, or an error of the backend's (a peer's connection reset) that no death explains
                     # yet: the controller waits a moment for one, then finds who is stuck or plans again.
-                    self.ctx.store.add(Key.stalled(self.gen), 1)
+                    self._stalled(self.gen)
         failed, grow, _ = self._vote(failed=failure is not None, gen=self.gen, grow=grow)
         if failed:
             self._broken = True

@@ -14,6 +14,7 @@ import json
 import os
 import pwd
 import secrets
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -47,13 +48,22 @@ def stranger():
     try:
         assert pwd.getpwnam(name).pw_uid != os.geteuid()
 
-        def attack(*args: str) -> list[dict]:
-            done = subprocess.run(
+        def attack(*args: str, on=lambda did: None) -> list[dict]:
+            """What the stranger did, a dict a line; `on(did)` is called as each line comes."""
+            proc = subprocess.Popen(
                 ["runuser", "-u", name, "--", "env", f"PYTHONPATH={sysconfig.get_paths()['purelib']}",
                  SYSTEM_PYTHON, str(REPO / "tests" / "attacker.py"), *args],
-                capture_output=True, text=True, timeout=90, cwd="/")
-            assert done.returncode == 0, done.stderr[-3000:]
-            return [json.loads(line) for line in done.stdout.splitlines()]
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+            did = []
+            try:
+                for line in proc.stdout:
+                    did.append(json.loads(line))
+                    on(did[-1])
+                assert proc.wait(timeout=90) == 0, proc.stderr.read()[-3000:]
+            finally:
+                proc.kill()
+                proc.wait()
+            return did
 
         yield attack
     finally:
@@ -74,25 +84,29 @@ def _start(run, replicas: int):
 
 
 def test_forged_plans_reports_and_rendezvous_addresses_are_never_acted_on(elastic_run, stranger):
-    """The stranger forges a plan and `latest`, a raised exception, a SIGTERM and an unfit report, then a stall, which makes the controller form the generation again; the moment each member publishes its
-    address in that formation, the stranger overwrites it. Each forged value is reported (`forged_value`) and left:
-    no replica is replaced, drained or trusted for it, the overwritten formation is abandoned and the next one forms,
-    and the run ends as an unattacked one does."""
+    """The stranger forges a plan and `latest`, a raised exception, a SIGTERM, an unfit report and a stall (its count
+    and a key it cannot sign); then, the moment each member publishes its address in the next formation (replica 2,
+    told to go, brings it about), the stranger overwrites it. Each forged value is reported (`forged_value`) and left:
+    no replica is replaced, drained, probed or trusted for it, the overwritten formation is abandoned and formed
+    again, and the run ends as an unattacked one does."""
     run = elastic_run()
     port = _start(run, replicas=3)
-    did = stranger("--port", str(port), "--replicas", "3", "steer")
+    drain = run.pids()[2][0]
+    did = stranger("--port", str(port), "--replicas", "3", "steer",
+                   on=lambda did: did["did"] == "read" and os.kill(drain, signal.SIGTERM))
     assert run.wait(timeout=180) == 0, run.output
 
     g = next(d["gen"] for d in did if d["did"] == "read")
     forged = {e["key"] for e in run.events("forged_value")}
-    assert {"raised", "drains", f"stalled/{g}/unfit"} <= forged, forged
+    assert {"raised", "drains", f"stalled/{g}/0/0", f"stalled/{g + 1}/unfit"} <= forged, forged
     overwritten = [d["key"] for d in did if d["did"] == "overwrote"]
     assert overwritten and forged & set(overwritten), (overwritten, forged)  # a member read a forged address
-    assert not run.events("death") and not run.events("notice") and not run.events("give_up")
-    assert len(run.pids()) == 3  # nobody replaced
+    assert not run.events("death") and not run.events("give_up")
+    assert [n["replica"] for n in run.events("notice")] == [2]  # the test's SIGTERM, not the stranger's
+    assert [d["replica"] for d in run.events("drained")] == [2] and len(run.pids()) == 4  # its replacement
     quorums = run.events("quorum")
-    assert all(q["members"] == [0, 1, 2] and q["action"] == "train" for q in quorums), quorums
-    assert len(quorums) >= 3  # the stall's re-formation was abandoned (its addresses forged) and formed again
+    assert all(q["action"] == "train" and not q["interrupt"] for q in quorums[:g + 1]), quorums  # no probe
+    assert any(q["reason"].startswith("stalled reduction") for q in quorums[g + 1:]), quorums  # the forged addresses'
     assert all(q["gen"] < g + 5 for q in quorums)  # the forged plan was never anyone's generation
     steps = _steps(run)
     assert [r["step"] for r in steps] == list(range(STEPS))
@@ -105,12 +119,13 @@ def test_forged_plans_reports_and_rendezvous_addresses_are_never_acted_on(elasti
 def test_a_formations_decision_taken_before_its_members_stops_the_run_naming_it_with_a_checkpoint(elastic_run,
                                                                                                    stranger):
     """An unauthenticated store cannot keep a key from being written first: the stranger decides the next formation
-    "go" before its members can, then stalls the run into that formation. The members find the decision unsigned,
-    and the run stops, naming the key and the store, with a checkpoint of the step its state holds; nothing
-    is left running."""
+    "go" before its members can (replica 1, told to go, brings it about). The member finds the decision unsigned, and
+    the run stops, naming the key and the store, with a checkpoint of the step its state holds; nothing is left
+    running."""
     run = elastic_run()
     port = _start(run, replicas=2)
     did = stranger("--port", str(port), "preempt")
+    os.kill(run.pids()[1][0], signal.SIGTERM)
     assert run.wait(timeout=180) != 0
     [key] = next(d["keys"] for d in did if d["did"] == "forged")
     assert key in run.output and "does not carry the run's signature" in run.output, run.output[-3000:]

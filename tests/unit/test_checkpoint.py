@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_reading_a_checkpoint_runs_no_code_from_it(tmp_path):
 
 def test_the_writer_keeps_every_nth_step_from_a_copy_taken_at_the_step_and_prunes_after(tmp_path, monkeypatch):
     emitted = []
-    writer = CheckpointWriter(str(tmp_path), every_steps=5, every_s=0, coordinator=True, keep=1,
+    writer = CheckpointWriter(str(tmp_path), every_steps=5, every_s=0, coordinator=True, keep=1, bound_s=60,
                               emit=lambda kind, **fields: emitted.append((kind, fields)))
     assert [s for s in range(1, 12) if writer.due(s)] == [5, 10]
     weights = torch.zeros(3)
@@ -112,11 +113,34 @@ def _read_w(path: str) -> torch.Tensor:
 def test_a_failed_write_is_reported_and_training_goes_on(tmp_path):
     (tmp_path / "file").write_text("")
     emitted = []
-    writer = CheckpointWriter(str(tmp_path / "file"), every_steps=1, every_s=0, coordinator=True,
+    writer = CheckpointWriter(str(tmp_path / "file"), every_steps=1, every_s=0, coordinator=True, bound_s=60,
                               emit=lambda kind, **fields: emitted.append(kind))
     writer.write(1, {"w": torch.zeros(1)}, None)
     writer.wait()
     assert emitted == ["checkpoint_failed"]
+
+
+def test_a_write_that_hangs_is_given_up_on_and_nothing_is_written_over_it(tmp_path):
+    """A filesystem that stopped answering (a hung NFS mount) holds a write forever: here the file it opens is a FIFO
+    nobody reads, whose open blocks as such a mount's does. The loop's wait for it ends at its bound, saying so."""
+    os.makedirs(tmp_path / "step00000001")
+    os.mkfifo(tmp_path / "step00000001" / "__0_0.distcp")
+    emitted = []
+    writer = CheckpointWriter(str(tmp_path), every_steps=1, every_s=0, coordinator=True, bound_s=0.5,
+                              emit=lambda kind, **fields: emitted.append((kind, fields)))
+    writer.write(1, {"w": torch.zeros(1)}, None)
+    started = time.monotonic()
+    writer.wait()
+    assert 0.5 <= time.monotonic() - started < 5
+    [(kind, fields)] = emitted
+    assert kind == "checkpoint_failed" and fields["step"] == 1 and "did not finish in 0.5 s" in fields["error"]
+    writer.write(2, {"w": torch.zeros(1)}, None)  # still busy: not started over the hung one
+    assert writer.busy() and not os.path.exists(tmp_path / "step00000002")
+    with open(tmp_path / "step00000001" / "__0_0.distcp", "rb") as fifo:  # the mount answers again
+        fifo.read()
+    for _ in range(20):
+        writer.wait()
+    assert not writer.busy()
 
 
 @pytest.mark.parametrize("kwargs, message", [

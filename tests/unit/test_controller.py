@@ -356,3 +356,30 @@ def test_a_replica_told_to_go_while_the_run_waits_for_replacements_leaves_at_onc
     assert plans[:3] == [([0, 1, 2], "train"), ([0, 2], "wait"), ([0], "wait")], plans
     assert [d["replica"] for d in run.events("drained")] == [2]
     assert 2 not in [d["replica"] for d in run.events("death")]
+
+
+def test_a_stall_anyone_can_count_is_looked_at_and_never_acted_on(tmp_path):
+    """The stall count carries no signature: moved by a process without the run's secret, again and again, with an
+    unsigned key where a member's would be, it made the controller re-plan each generation (a livelock). Only a
+    member's signed key is acted on."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    run = _Run(tmp_path, replicas=2)
+
+    def drive(run):
+        gen = run.quorum([0, 1])["gen"]
+        stranger = dist.TCPStore("127.0.0.1", run.events("run_start")[0]["store_port"], is_master=False,
+                                 wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+        stranger.set(f"stalled/{gen}/0/0", b"1")
+        for _ in range(5):
+            stranger.add(f"stalled/{gen}", 1)
+            time.sleep(0.2)
+        run.wait("the forged key reported", lambda: run.events("forged_value"))
+        time.sleep(1.0)  # past the stall's grace: a probe and a re-plan would have come by now
+
+    run.run(drive)
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1]]
+    assert {e["key"] for e in run.events("forged_value")} == {"stalled/0/0/0"}

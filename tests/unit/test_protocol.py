@@ -46,7 +46,8 @@ def test_unfit_members_are_appended_by_their_finders_and_read_back_once_each():
 
 def test_keys_are_distinct_per_generation_replica_and_lane():
     keys = [Key.LATEST, Key.plan(1), Key.ready(1, 0), Key.ready(1, 1), Key.formed(1, 0, 0), Key.formed(1, 1, 0),
-            Key.formed(1, 0, 1), Key.stalled(1), Key.unfit(1), Key.holds(1, 0), Key.holds(1, 1),
+            Key.formed(1, 0, 1), Key.stalled(1), Key.stalled_by(1, 0, 0), Key.stalled_by(1, 0, 1),
+            Key.stalled_by(1, 1, 0), Key.unfit(1), Key.holds(1, 0), Key.holds(1, 1),
             Key.arrived("pg/1/0", 0), Key.arrived("pg/1/0", 1),
             Key.pick(1, 1), Key.finished(1, 0), Key.finished(1, 1), Key.group(1, 0), Key.group(1, 1),
             Key.heal_group(1, 0, 0), Key.heal_group(1, 0, 1), Key.heal_group(1, 1, 0), Key.replica_group(1),
