@@ -7,7 +7,12 @@ A schedule is drawn from one seed (printed, and named in every assertion, so a f
                                  a step (computing or in the reduction); a SIGSTOPped proc answers nothing
     two_at_once                  SIGKILL two members together
     death_during_recovery        SIGKILL one member, and another as soon as the first death is noticed
+    drain                        SIGTERM to a member: it leaves at a step boundary (drained, not dead)
+    death_during_drain           SIGTERM to a member, and SIGKILL to another once the drain is published: the draining
+                                 one is aborted with the members, and leaves drained
     last_step                    SIGKILL a member during the run's last step
+    after_end                    SIGKILL a member in its own code after training ended (the workload lingers there):
+                                 the run, whose training is complete, still ends with success
     exit                         os._exit(1) inside a member at a drawn step (`--fault exit:...`)
     raise                        an exception in a member's backward at a drawn step (`--fault raise:...:at=backward`):
                                  its process lives on, and the replica is replaced as after a death
@@ -33,7 +38,9 @@ from conftest import alive as _alive
 
 __all__ = ["Chaos", "KINDS", "seed_from_env"]
 
-OUTSIDE = ("sigkill", "sigsegv", "sigstop", "two_at_once", "death_during_recovery", "last_step")
+OUTSIDE = ("sigkill", "sigsegv", "sigstop", "two_at_once", "death_during_recovery", "drain", "death_during_drain",
+           "last_step", "after_end")
+_AT_THE_END = ("last_step", "after_end")
 AT_LAUNCH = ("exit", "raise", "donor_mid_heal", "newcomer_mid_heal")
 KINDS = OUTSIDE + AT_LAUNCH
 _SIGNALS = {"sigkill": signal.SIGKILL, "sigsegv": signal.SIGSEGV, "sigstop": signal.SIGSTOP}
@@ -71,12 +78,14 @@ class Chaos:
     replicas: int
     """Initial replicas: ids 0..replicas-1; hot spares, then replacements, are numbered from `replicas` on."""
     count: int = 4
+    kinds: tuple[str, ...] = KINDS
+    """What may be drawn: `after_end` needs a workload that stays in its own code after its loop."""
     schedule: list[Failure] = field(init=False)
     injected: list[Injected] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
-        kinds = rng.sample(KINDS, self.count)
+        kinds = rng.sample(self.kinds, self.count)
         single = [k for k in _SIGNALS if k not in kinds]
         if "exit" in kinds and "raise" in kinds:  # both hit replica 1: the first takes it, the second would not fire
             kinds[kinds.index("raise")] = single.pop(rng.randrange(len(single)))
@@ -90,14 +99,14 @@ class Chaos:
             after = next((k for k in kinds if k in _SIGNALS), None)
             if after is None:
                 after = single.pop(rng.randrange(len(single)))
-                kinds.pop(next(i for i, k in enumerate(kinds) if k in OUTSIDE and k != "last_step"))
+                kinds.pop(next((i for i, k in enumerate(kinds) if k in OUTSIDE and k not in _AT_THE_END), -1))
             else:
                 kinds.remove(after)
             kinds[:0] = ["donor_mid_heal", after]
-        kinds.sort(key=lambda k: k == "last_step")  # the last step is the last failure
+        kinds.sort(key=lambda k: _AT_THE_END.index(k) + 1 if k in _AT_THE_END else 0)  # the last failures, in order
         spread = sorted(rng.sample(range(self.total // 10, self.total - self.total // 3), self.count))
-        self.schedule = [Failure(k, self.total - 1 if k == "last_step" else s, round(rng.uniform(0, 0.15), 3))
-                         for k, s in zip(kinds, spread)]
+        at = {"last_step": self.total - 1, "after_end": self.total}
+        self.schedule = [Failure(k, at.get(k, s), round(rng.uniform(0, 0.15), 3)) for k, s in zip(kinds, spread)]
         self._rng = rng
 
     @property
@@ -141,7 +150,8 @@ class Chaos:
         if not quorums:
             return []
         fired = {e["replica"] for e in events if e["event"] == "fault_injected"}  # dying by it, maybe not yet noticed
-        gone = {e["replica"] for e in events if e["event"] in ("death", "hang")} | {i.replica for i in self.injected}
+        gone = {e["replica"] for e in events if e["event"] in ("death", "hang", "drained")}
+        gone |= {i.replica for i in self.injected} | {e["replica"] for e in events if e["event"] == "finished"}
         gone |= fired
         held = {self._reserved()[f.kind] for f in self.schedule if f.kind in AT_LAUNCH} - fired
         trained = {e["replica"] for e in events if e["event"] == "first_commit"}
@@ -157,7 +167,8 @@ class Chaos:
         self.injected.append(Injected(kind, replica, pid, sig, time.time()))
 
     def _noticed(self, run, replica: int) -> bool:
-        return any(e["replica"] == replica for e in run.events("death"))
+        """Its death, or (told to go) its drain, is in the events."""
+        return any(e["replica"] == replica for e in run.events("death") + run.events("drained"))
 
     def inject(self, run, progress) -> None:
         """Send the schedule's outside failures into `run` as the witness's `progress()` reaches each one's step;
@@ -166,19 +177,26 @@ class Chaos:
             if f.kind in AT_LAUNCH:
                 continue
             self._wait(run, lambda: progress() >= f.step, f"step {f.step} for {f.kind}", timeout=180)
-            if f.kind != "last_step":
+            if f.kind not in _AT_THE_END:
                 time.sleep(f.delay)
-            need = 2 if f.kind in ("two_at_once", "death_during_recovery") else 1
+            elif f.kind == "after_end":
+                time.sleep(0.5)  # every member left its loop together (milliseconds), and lingers after it
+            need = 2 if f.kind in ("two_at_once", "death_during_recovery", "death_during_drain") else 1
             chosen = self._rng.sample(self._wait(run, lambda: len(self._candidates(run)) >= need and
                                                  self._candidates(run), f"{need} member(s) to hit with {f.kind}"),
                                       need)
             if f.kind == "last_step" and progress() >= self.total:
                 raise AssertionError(f"the last step passed before it could be hit [{self}]")
-            self._hit(run, f.kind, chosen[0], _SIGNALS.get(f.kind, signal.SIGKILL))
+            told = f.kind in ("drain", "death_during_drain")
+            self._hit(run, f.kind, chosen[0], signal.SIGTERM if told else _SIGNALS.get(f.kind, signal.SIGKILL))
             if f.kind == "two_at_once":
                 self._hit(run, f.kind, chosen[1], signal.SIGKILL)
             elif f.kind == "death_during_recovery":
                 self._wait(run, lambda: self._noticed(run, chosen[0]), f"replica {chosen[0]}'s death noticed")
+                self._hit(run, f.kind, chosen[1], signal.SIGKILL)
+            elif f.kind == "death_during_drain":
+                self._wait(run, lambda: any(chosen[0] in d["replicas"] for d in run.events("drain")) or
+                           self._noticed(run, chosen[0]), f"replica {chosen[0]}'s drain published")
                 self._hit(run, f.kind, chosen[1], signal.SIGKILL)
             for replica in chosen:
                 self._wait(run, lambda: self._noticed(run, replica), f"replica {replica}'s death noticed")
@@ -195,9 +213,14 @@ class Chaos:
         fired = {e["replica"]: e for e in run.events("fault_injected")}
         launched = {self._reserved()[f.kind] for f in self.schedule if f.kind in AT_LAUNCH}
         assert set(fired) == launched, f"faults fired in {sorted(fired)}, drawn for {sorted(launched)} [{self}]"
-        hit = {i.replica for i in self.injected}
+        told = {i.replica for i in self.injected if i.signal == signal.SIGTERM}
+        hit = {i.replica for i in self.injected} - told
         assert set(deaths) == hit | launched, f"deaths {sorted(deaths)}, injected {sorted(hit | launched)} [{self}]"
+        drained = [e["replica"] for e in run.events("drained")]
+        assert sorted(drained) == sorted(told), f"drained {drained}, told to go {sorted(told)} [{self}]"
         for i in self.injected:
+            if i.replica in told:
+                continue
             death = deaths[i.replica]
             assert death["ts"] > i.ts, (i, death, str(self))
             how = death["detected_by"]

@@ -13,8 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chaos import Chaos, seed_from_env
-from conftest import front_end_runs
+from chaos import KINDS, Chaos, seed_from_env
+from conftest import WORKLOADS, front_end_runs
+
+IN_THE_LOOP = tuple(k for k in KINDS if k != "after_end")
+"""What the front ends' workloads can be hit with: they stay in no code of their own after training."""
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,9 +29,9 @@ def test_plain_loop_survives_a_seeded_draw_of_failures(elastic_run):
     print(chaos)
     run = elastic_run()
     run.start("--replicas", "3", "--min-replicas", "1", "--collective-timeout", "5", "--join-timeout", "120",
-              *chaos.fault_args(),
-              script_args=("--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
-                           "--step-sleep", "0.1", "--out", str(run.out)))
+              *chaos.fault_args(), script=WORKLOADS / "held_loop.py",
+              script_args=("--replicas", "3", "--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
+                           "--step-sleep", "0.1", "--linger", "1", "--out", str(run.out)))
     chaos.survive(run, lambda: run.progress(chaos.witness))
     results = run.results()
     witness = results[chaos.witness]
@@ -50,7 +53,7 @@ def test_lightning_fit_survives_a_seeded_draw_of_failures(lightning_run):
 
     samples, batch, devices, epochs = 480, 8, 3, 10  # a global batch of 24: 20 steps an epoch
     total = epochs * samples // (batch * devices)
-    chaos = Chaos(seed_from_env(), total=total, replicas=devices)
+    chaos = Chaos(seed_from_env(), total=total, replicas=devices, kinds=IN_THE_LOOP)
     print(chaos)
     # A replacement takes 10-15 s to start here: a hot spare refills at once, and the compute of a step grows with
     # a replica's share (as a real model's), so a shrunk group trains slower and lasts until its replacements join.
@@ -74,7 +77,7 @@ def hf_run(tmp_path):
 def test_hf_train_survives_a_seeded_draw_of_failures(hf_run):
     samples, batch, replicas, epochs = 240, 4, 3, 8  # a global batch of 12: 20 steps an epoch
     total = epochs * samples // (batch * replicas)
-    chaos = Chaos(seed_from_env(), total=total, replicas=replicas)
+    chaos = Chaos(seed_from_env(), total=total, replicas=replicas, kinds=IN_THE_LOOP)
     print(chaos)
     run = hf_run().start("--replicas", str(replicas), "--min-replicas", "1", "--collective-timeout", "5",
                          "--spares", "1", *chaos.fault_args(),
@@ -102,7 +105,7 @@ def test_torchtitan_train_survives_a_seeded_draw_of_failures(titan_run):
 
     steps, replicas, procs, local_batch = 60, 3, 2, 2
     batch = replicas * procs * local_batch  # the global batch, whatever the live replicas
-    chaos = Chaos(seed_from_env(), total=steps, replicas=replicas)
+    chaos = Chaos(seed_from_env(), total=steps, replicas=replicas, kinds=IN_THE_LOOP)
     print(chaos)
     run = titan_run().start("--training.steps", str(steps), "--monarch.replicas", str(replicas),
                             "--monarch.min_replicas", "1", "--monarch.spares", "1",

@@ -2,7 +2,8 @@
 
 With --hold-for-regrow-from K a group shrunk below --replicas waits, from step K on, until its grow is announced,
 so a test sees the replacement join (on a host that came back, or after a recovery that itself failed) however
-slowly it starts, and need not train for long just to outlast it. Each replica writes its progress and, at the
+slowly it starts, and need not train for long just to outlast it. With --linger S each replica stays S seconds in its
+own code after its loop, where the end of training can be hit. Each replica writes its progress and, at the
 end, its step, weights checksum, per-epoch sample counts and host address (as the recipe's --out does).
 """
 
@@ -27,6 +28,8 @@ p.add_argument("--epochs", type=int, default=4)
 p.add_argument("--step-sleep", type=float, default=0.05)
 p.add_argument("--replicas", type=int, required=True)
 p.add_argument("--hold-for-regrow-from", type=int, default=-1)
+p.add_argument("--linger", type=float, default=0.0, help="seconds each replica stays in its own code after its loop "
+               "(an evaluation, an upload) before it writes its result")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -48,6 +51,7 @@ for step in loop:
         seen[step.epoch] += step.metrics["seen"].float()
         with open(os.path.join(args.out, f"progress-{ctx.replica_id}"), "w") as f:
             f.write(str(loop.step))
+time.sleep(args.linger)
 with open(os.path.join(args.out, f"result-{ctx.replica_id}.json"), "w") as f:
     json.dump({"replica": ctx.replica_id, "step": loop.step, "checksum": weights_checksum(model), "pid": os.getpid(),
                "seen": seen.tolist(), "initial": ctx.initial, "host": ctx.bind_address}, f)
