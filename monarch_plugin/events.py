@@ -23,7 +23,7 @@ logger = logging.getLogger("monarch_plugin")
 LEVELS = {
     **dict.fromkeys(("spawn", "ready", "quorum", "join", "join_retry", "dropped_step", "heal", "first_commit",
                      "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver", "restored",
-                     "checkpoint_pruned"),
+                     "checkpoint_pruned", "checkpoint_damaged", "forkserver_lost"),
                     logging.DEBUG),
     **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "checkpoint_skipped", "give_up",
                      "host_unreachable", "host_refused", "unfit", "host_watch_error", "forged_value"), logging.WARNING),
