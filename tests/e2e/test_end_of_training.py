@@ -23,9 +23,9 @@ STEPS = EPOCHS * SAMPLES // BATCH
 
 
 def _start(run, replicas: int, *flags: str, workload_args: tuple[str, ...] = ()) -> None:
-    run.start("--replicas", str(replicas), *flags, script=WORKLOADS / "end_loop.py",
-              script_args=("--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS),
-                           *workload_args, "--out", str(run.out)))
+    run.start("--replicas", str(replicas), *flags, script=WORKLOADS / "held_loop.py",
+              script_args=("--replicas", str(replicas), "--samples", str(SAMPLES), "--batch", str(BATCH),
+                           "--epochs", str(EPOCHS), *workload_args, "--out", str(run.out)))
 
 
 def _marked(run, name: str, replica: int) -> int | None:
@@ -52,7 +52,7 @@ def test_a_replica_killed_in_its_code_after_training_leaves_the_run_finished(ela
     """With every other replica returned (or none at all), the death of the last one still running its own code after
     the loop (an evaluation, an upload) takes no step the run trained: exit 0, its peers' results kept."""
     run = elastic_run()
-    _start(run, replicas, "--min-replicas", "1", workload_args=("--linger", "0", "--linger-s", "60"))
+    _start(run, replicas, "--min-replicas", "1", workload_args=("--linger", "60", "--linger-replica", "0"))
     others = set(range(1, replicas))
     run.wait_for(lambda: _marked(run, "after", 0) and others <= set(run.results()), 60, "replica 0 after its loop")
     os.kill(_marked(run, "after", 0), signal.SIGKILL)
@@ -67,7 +67,7 @@ def test_sigterm_to_a_replica_in_its_code_after_training_lets_that_code_finish(e
     """A signal with notice after the end drains nothing and stops nothing: the replica's own code goes on, and its
     result is kept."""
     run = elastic_run()
-    _start(run, 2, "--min-replicas", "1", workload_args=("--linger", "0", "--linger-s", "3"))
+    _start(run, 2, "--min-replicas", "1", workload_args=("--linger", "3", "--linger-replica", "0"))
     run.wait_for(lambda: _marked(run, "after", 0) and 1 in run.results(), 60, "replica 0 after its loop")
     os.kill(_marked(run, "after", 0), signal.SIGTERM)
     assert run.wait(timeout=60) == 0, run.output
@@ -107,7 +107,8 @@ def test_sigterm_to_the_controller_after_training_gives_the_replicas_a_grace_the
     """The job told to stop once training is over has nothing to save: the replicas still in their code after training
     get `drain_grace_s`, then are stopped, and the run exits 0 (under SLURM: not requeued)."""
     run = elastic_run()
-    _start(run, 2, "--min-replicas", "1", "--drain-grace", "2", workload_args=("--linger", "0", "--linger-s", "60"))
+    _start(run, 2, "--min-replicas", "1", "--drain-grace", "2",
+           workload_args=("--linger", "60", "--linger-replica", "0"))
     run.wait_for(lambda: _marked(run, "after", 0) and 1 in run.results(), 60, "replica 0 after its loop")
     os.kill(run.proc.pid, signal.SIGTERM)
     told = time.monotonic()

@@ -2,9 +2,14 @@
 
 With --hold-for-regrow-from K a group shrunk below --replicas waits, from step K on, until its grow is announced,
 so a test sees the replacement join (on a host that came back, or after a recovery that itself failed) however
-slowly it starts, and need not train for long just to outlast it. With --linger S each replica stays S seconds in its
-own code after its loop, where the end of training can be hit. Each replica writes its progress and, at the
+slowly it starts, and need not train for long just to outlast it. Each replica writes its progress and, at the
 end, its step, weights checksum, per-epoch sample counts and host address (as the recipe's --out does).
+
+For tests of the end of training: with --linger S each replica (or only --linger-replica R) stays S seconds in its
+own code after its loop (an evaluation, an upload, a slow exit) before it writes its result; with --late R --late-s S
+replica R sleeps S seconds after committing the last step, still inside its loop, so the others wait for it at the
+end-of-training barrier. Each replica writes its pid to OUT/at-end-<id> once its last step is committed, and to
+OUT/after-<id> once its loop has ended.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ p.add_argument("--epochs", type=int, default=4)
 p.add_argument("--step-sleep", type=float, default=0.05)
 p.add_argument("--replicas", type=int, required=True)
 p.add_argument("--hold-for-regrow-from", type=int, default=-1)
-p.add_argument("--linger", type=float, default=0.0, help="seconds each replica stays in its own code after its loop "
-               "(an evaluation, an upload) before it writes its result")
+p.add_argument("--linger", type=float, default=0.0)
+p.add_argument("--linger-replica", type=int, default=None)
+p.add_argument("--late", type=int, default=None)
+p.add_argument("--late-s", type=float, default=0.0)
 p.add_argument("--out", required=True)
 args = p.parse_args()
 
@@ -39,6 +46,13 @@ loop = ElasticLoop(model, optimizer, dataset_size=args.samples, global_batch_siz
                    max_epochs=args.epochs, seed=0)
 ctx = worker_context()
 seen = torch.zeros(args.epochs, args.samples)
+
+
+def mark(name: str) -> None:
+    with open(os.path.join(args.out, f"{name}-{ctx.replica_id}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
 for step in loop:
     if 0 <= args.hold_for_regrow_from <= step.number and step.num_replicas < args.replicas:
         wait_for_announced_grow(loop.tx)
@@ -51,7 +65,13 @@ for step in loop:
         seen[step.epoch] += step.metrics["seen"].float()
         with open(os.path.join(args.out, f"progress-{ctx.replica_id}"), "w") as f:
             f.write(str(loop.step))
-time.sleep(args.linger)
+        if loop.done():
+            mark("at-end")
+            if ctx.replica_id == args.late:
+                time.sleep(args.late_s)
+mark("after")
+if args.linger_replica in (None, ctx.replica_id):
+    time.sleep(args.linger)
 with open(os.path.join(args.out, f"result-{ctx.replica_id}.json"), "w") as f:
     json.dump({"replica": ctx.replica_id, "step": loop.step, "checksum": weights_checksum(model), "pid": os.getpid(),
                "seen": seen.tolist(), "initial": ctx.initial, "host": ctx.bind_address}, f)
