@@ -1,11 +1,13 @@
 """ElasticLoop's durable checkpoints: torch.distributed.checkpoint (DCP) against the format it replaced (one
-`torch.save` file per proc), side by side in one invocation, interleaved, at 10M and 100M parameters.
+`torch.save` file per proc), and against DCP without the digests it is written with (`digests.json`: each file's
+size and SHA-256, checked before a resume), side by side in one invocation, interleaved, at 10M and 100M parameters.
 
 For each size, one proc holding benchmarks/workload.py's model and its Adam state after one step:
   critical path   what the training thread pays at the step boundary: the state as each format takes it, copied
                   to memory the next step does not touch (`detached_copy`)
   background      the writer thread's part: the copy to disk, fsynced (DCP: its files and its metadata)
-  load            a relaunch's read of it into a fresh model and optimizer (DCP: through its allow-listed readers)
+  load            a relaunch's read of it into a fresh model and optimizer (DCP: through its allow-listed readers;
+                  with digests, after every file is checked against them)
 
     python benchmarks/checkpoints.py --repeats 3 --out benchmarks/results
 
@@ -25,9 +27,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from monarch_plugin import ElasticLoop
-from monarch_plugin.checkpoint import save_file, step_path
+from monarch_plugin.checkpoint import DIGESTS, save_file, step_path
 from monarch_plugin.worker import dcp_io
 from monarch_plugin.worker.checkpoint_writer import detached_copy
 from workload import build
@@ -66,11 +69,19 @@ def _previous(loop: ElasticLoop, size: str, directory: Path) -> dict:
     return {"critical_s": critical, "background_s": background, "load_s": load, "bytes": os.path.getsize(path)}
 
 
-def _dcp(loop: ElasticLoop, size: str, directory: Path) -> dict:
+def _undigested(state: dict, path: str) -> None:
+    """DCP's own writer, as `dcp_io.save` wrote before it recorded digests."""
+    os.makedirs(path)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+
+def _dcp(loop: ElasticLoop, size: str, directory: Path, digests: bool = True) -> dict:
     path = step_path(str(directory), 1)
     copy: dict = {}
     critical = _timed(lambda: copy.update(state=detached_copy(loop.checkpoint_state())))
-    background = _timed(lambda: dcp_io.save(copy["state"], path, None))
+    background = _timed(lambda: dcp_io.save(copy["state"], path, None) if digests else
+                        _undigested(copy["state"], path))
+    assert os.path.exists(os.path.join(path, DIGESTS)) == digests
     fresh = _loop(size)
     load = _timed(lambda: fresh.resume(path))
     assert all(torch.equal(a, b) for a, b in zip(loop.model.parameters(), fresh.model.parameters()))
@@ -90,9 +101,10 @@ def main() -> None:
     for size in args.sizes:
         loop = _trained(size)
         params = sum(t.numel() for t in loop.model.parameters())
-        runs = {"previous": [], "dcp": []}
+        runs = {"previous": [], "undigested": [], "dcp": []}
+        variants = (("previous", _previous), ("undigested", lambda *a: _dcp(*a, digests=False)), ("dcp", _dcp))
         for i in range(args.repeats):
-            for fmt, fn in (("previous", _previous), ("dcp", _dcp)):  # interleaved
+            for fmt, fn in variants:  # interleaved
                 directory = root / f"{size}-{fmt}-{i}"
                 directory.mkdir(parents=True)
                 runs[fmt].append(fn(loop, size, directory))
@@ -106,14 +118,14 @@ def main() -> None:
     def med(size: str, fmt: str, key: str) -> float:
         return statistics.median(r[key] for r in results[size][fmt])
 
-    print(f"| median of {args.repeats} | " + " | ".join(f"{s} torch.save | {s} DCP" for s in args.sizes) + " |")
-    print("|---|" + "---|---|" * len(args.sizes))
+    fmts = ("previous", "undigested", "dcp")
+    print(f"| median of {args.repeats} | " + " | ".join(f"{s} torch.save | {s} DCP, no digests | {s} DCP"
+                                                          for s in args.sizes) + " |")
+    print("|---|" + "---|---|---|" * len(args.sizes))
     for key, label in (("critical_s", "critical path (copy at the step)"), ("background_s", "background write"),
                        ("load_s", "load (relaunch)")):
-        print(f"| {label} | " + " | ".join(f"{med(s, 'previous', key) * 1e3:.0f} ms | {med(s, 'dcp', key) * 1e3:.0f} ms"
-                                           for s in args.sizes) + " |")
-    print("| on disk | " + " | ".join(f"{med(s, 'previous', 'bytes') / 2**20:.0f} MiB | "
-                                     f"{med(s, 'dcp', 'bytes') / 2**20:.0f} MiB" for s in args.sizes) + " |")
+        print(f"| {label} | " + " | ".join(f"{med(s, f, key) * 1e3:.0f} ms" for s in args.sizes for f in fmts) + " |")
+    print("| on disk | " + " | ".join(f"{med(s, f, 'bytes') / 2**20:.0f} MiB" for s in args.sizes for f in fmts) + " |")
 
 
 if __name__ == "__main__":
