@@ -143,9 +143,9 @@ class ElasticConfig:
     on CPU hosts, no limit. Replicas are spread over the hosts either way."""
 
     host_timeout_s: float = 5.0
-    """A host whose watcher has not been heard from for this long (its machine or agent died, or its link is
-    down) is declared lost, with all its replicas, in one generation change. Monarch's own detection takes about
-    60 s and never reaches the fault hook."""
+    """A host none of whose procs (its watcher, its workers) has been heard from for this long (its machine or
+    agent died, or its link is down) is declared lost, with all its replicas, in one generation change. Monarch's
+    own detection takes about 60 s and never reaches the fault hook."""
 
     preflight: bool = True
     """Check each host as it is attached (with ``hosts``), as `monarch-plugin doctor` does (versions, paths, the

@@ -25,8 +25,9 @@ LEVELS = {
                      "progress", "respawn_scheduled", "finished", "death", "hang", "forkserver", "restored",
                      "checkpoint_pruned", "checkpoint_damaged", "forkserver_lost"),
                     logging.DEBUG),
-    **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed", "checkpoint_skipped", "give_up",
-                     "host_unreachable", "host_refused", "unfit", "host_watch_error", "forged_value"), logging.WARNING),
+    **dict.fromkeys(("host_lost", "no_room", "no_respawn", "heal_abandoned", "checkpoint_failed",
+                     "checkpoint_skipped", "give_up", "host_unreachable", "host_refused", "unfit", "host_watch_error",
+                     "forged_value", "watcher_replaced", "watcher_unreplaced"), logging.WARNING),
 }
 """The log level of each event kind (INFO if not listed). The steps of a recovery are DEBUG: the controller logs
 one WARNING line for each failure instead, saying what happened and what the run did. `--log-level DEBUG` shows

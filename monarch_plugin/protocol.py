@@ -199,8 +199,15 @@ class Key:
 
     @staticmethod
     def host_beat(host: int) -> str:
-        """Counter: beats of the host's watcher; the controller declares a host lost when it stops moving."""
+        """Counter: beats of every proc on the host that holds a lease (its watcher, its workers); the controller
+        declares a host lost when it stops moving."""
         return f"host/{host}/beat"
+
+    @staticmethod
+    def watcher_beat(host: int) -> str:
+        """Counter: beats of the host's watcher alone; when it stops while the host's beat goes on, the watcher is
+        gone (a helper, killed or stuck) and the controller starts another there."""
+        return f"host/{host}/watcher_beat"
 
     @staticmethod
     def host_lost(host: int) -> str:
@@ -343,12 +350,13 @@ def mesh_names(replica: int) -> tuple[str, str, str]:
     return f"replica{replica}", f"r{replica}_control", f"r{replica}_replica"
 
 
-def watcher_names(host: int) -> tuple[str, str]:
-    """A host's watcher proc mesh and its actor."""
-    return f"host{host}_watch", f"host{host}_watcher"
+def watcher_names(host: int, n: int = 0) -> tuple[str, str]:
+    """A host's watcher proc mesh and its actor; `n` counts the watchers started there after the first."""
+    suffix = f"_{n}" if n else ""
+    return f"host{host}_watch{suffix}", f"host{host}_watcher{suffix}"
 
 
-_SPAWNED = re.compile(r"(replica\d+|r\d+_(control|replica)|host\d+_watch(er)?|logger)(-|$)")
+_SPAWNED = re.compile(r"(replica\d+|r\d+_(control|replica)|host\d+_watch(er)?(_\d+)?|logger)(-|$)")
 
 
 def spawned_by_controller(name: str) -> bool:

@@ -4,11 +4,12 @@ Without `hosts` every replica is a proc mesh on this machine (`this_host()`), an
 of each worker process: a death is seen in milliseconds. With `hosts`, each address is a Monarch host agent
 (`monarch-plugin host`) on another machine, attached once (`attach_to_workers`); a replica is one proc mesh on
 one host (its procs reduce among themselves on that host), and a `HostWatcher` proc on each host reports its
-deaths and beats through the controller's store. A host whose beats stop for `host_timeout_s` is lost: its
-replicas are gone together, in one generation change. Monarch's `monarch.job` launchers (SLURM, Kubernetes)
-attach a fixed set of hosts once; here hosts can also come later, from `hosts_file`, which is re-read every
-second: a machine added to it, or an agent restarted on a new port (Monarch does not re-attach an address it
-has marked lost), joins the run. A line is attached only if `admission` admits it (a hosts file no one else can
+deaths and beats through the controller's store, as its workers' leases beat too. A host whose beats stop for
+`host_timeout_s` is lost: its replicas are gone together, in one generation change. A watcher whose own beat
+stops while its host beats on is a helper lost, not a host: another is started there (`Hosts._rewatch`).
+Monarch's `monarch.job` launchers (SLURM, Kubernetes) attach a fixed set of hosts once; here hosts can also come
+later, from `hosts_file`, which is re-read every second: a machine added to it, or an agent restarted on a new
+port (Monarch does not re-attach an address it has marked lost), joins the run. A line is attached only if `admission` admits it (a hosts file no one else can
 write; with `token_file`, a line carrying the HMAC of its address under the job's token): any other is refused
 with a `host_refused` event and its address is never contacted.
 
@@ -38,13 +39,16 @@ from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog, logger
 from monarch_plugin.procs.pidwatch import PidWatch
 from monarch_plugin.protocol import Died, HostLost, HostUp, Key, watcher_names
-from monarch_plugin.procs.lease import lease_s
+from monarch_plugin.procs.lease import BEAT_S, lease_s
 from monarch_plugin.signing import Forged
 
 __all__ = ["Host", "Hosts"]
 
 _CALL_S = 5.0
 """Bound on a call to a host's watcher: an unreachable host must not stall the controller."""
+
+_REWATCH_S = 4 * BEAT_S
+"""A watcher silent for this long while its host beats on (its workers' leases) is gone: another is started there."""
 
 
 @dataclass
@@ -58,6 +62,12 @@ class Host:
     mesh: Any = None
     watcher: Any = None
     watcher_procs: Any = None
+    watcher_pid: int | None = None
+    watchers: int = 1
+    """How many watchers were started here: a watcher that stops beating is replaced (`Hosts._rewatch`)."""
+    rewatching: bool = False
+    watched: dict[int, list[int]] = field(default_factory=dict)
+    """replica -> its procs' pids, which a watcher started in place of another watches again."""
     live: bool = True
     leaving: bool = False
     """Told to go (a signal to its agent, passed on to its procs): its replicas drain, and none is placed here."""
@@ -67,6 +77,8 @@ class Host:
     """replica -> the slot it holds."""
     beats: int = -1
     heard_at: float = 0.0
+    watcher_beats: int = -1
+    watcher_heard_at: float = 0.0
     deaths_seen: int = 0
     unrecorded_since: float | None = None
     """When its watcher's death counter first stood ahead of the records it had written (else None)."""
@@ -263,11 +275,14 @@ class Hosts:
         if host.watcher is None:
             self._local.watch(replica, pids)
         else:
+            host.watched[replica] = list(pids)
             host.watcher.watch.call_one(replica, pids).get(timeout=_CALL_S)
 
     def unwatch(self, replica: int) -> None:
         if self._local is not None:
             self._local.forget(replica)
+        if replica in self._where:
+            self.host_of(replica).watched.pop(replica, None)
 
     def kill(self, replica: int) -> None:
         """SIGKILL the replica's procs (through pidfds, immune to pid reuse), on whichever host they run. On another
@@ -346,9 +361,9 @@ class Hosts:
             self.events.emit("host_refused", host=index, address=address, reason=why)
             _stop(procs)
             return None
-        host.mesh, host.watcher, host.watcher_procs = mesh, watcher, procs
+        host.mesh, host.watcher, host.watcher_procs, host.watcher_pid = mesh, watcher, procs, machine["pid"]
         host.slots, host.gpus = self._slots(machine)
-        host.heard_at = time.monotonic()
+        host.heard_at = host.watcher_heard_at = time.monotonic()
         host.live = True
         host.returning = any(h.ip == host.ip and h.watcher is not None for h in self.hosts[:index])
         warnings = [f.message for f in host.check.findings if f.severity == "warning"]
@@ -402,6 +417,14 @@ class Hosts:
         elif now - host.heard_at > self.config.host_timeout_s:
             self.lose(host, f"no beat for {now - host.heard_at:.1f} s")
             return
+        watcher_beats = store.add(Key.watcher_beat(host.index), 0)
+        if watcher_beats != host.watcher_beats:
+            host.watcher_beats, host.watcher_heard_at = watcher_beats, now
+        elif (now - host.watcher_heard_at > _REWATCH_S and now - host.heard_at < _REWATCH_S / 2
+              and not host.rewatching):
+            host.rewatching = True
+            threading.Thread(target=self._rewatch, args=(host, host.deaths_seen), name="monarch-plugin-rewatch",
+                             daemon=True).start()
         try:
             deaths = int(store.peek(Key.host_deaths(host.index)) or 0)
         except Forged:  # reported (`forged_value`); the watcher's next count replaces it
@@ -422,6 +445,47 @@ class Hosts:
                 continue
             self._report.put(Died(death["replica"], f"watcher on {host.name} (pid {death['pid']} exited)"))
 
+    def _rewatch(self, host: Host, reported: int) -> None:
+        """Start a watcher on `host` in place of the one that stopped beating while the host's workers beat on: the
+        watcher is a helper, and its loss (the OOM killer's pick, a stray kill, a stopped process) must not be its
+        replicas' loss. The new one ends the old if it is only stuck, counts deaths on from `reported` (those the
+        controller has read), and watches every replica's procs again (one that exited meanwhile is reported at
+        once). If the host's agent does not answer, the host is lost by its beats as before."""
+        from monarch_plugin.procs.watcher import HostWatcher
+
+        t0, was = time.monotonic(), host.watcher_pid
+        procs = None
+        try:
+            procs_name, actor_name = watcher_names(host.index, host.watchers)
+            procs = host.mesh.spawn_procs(per_host={"procs": 1}, name=procs_name,
+                                          bootstrap_command=notice.bootstrap_command())
+            watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, host.index,
+                                  self._lease, self._secret, reported, was)
+            pid = watcher.pid.call_one().get(timeout=self.config.join_timeout_s)
+        except Exception as e:  # noqa: BLE001 - an agent that does not answer: its host is lost by its beats
+            self.events.emit("watcher_unreplaced", host=host.index, address=host.address, was=was,
+                             error=f"{type(e).__name__}: {e}")
+            if procs is not None:
+                _stop(procs)
+            return
+        with self._lock:
+            old, live = host.watcher_procs, host.live
+            if live:
+                host.watcher, host.watcher_procs, host.watcher_pid = watcher, procs, pid
+                host.watchers += 1
+        if not live:
+            _stop(procs)
+            return
+        try:
+            for replica, pids in list(host.watched.items()):
+                watcher.watch.call_one(replica, pids).get(timeout=_CALL_S)
+        except Exception:  # noqa: BLE001 - lost meanwhile: its beats say so
+            pass
+        threading.Thread(target=_stop, args=(old,), daemon=True).start()
+        host.rewatching = False
+        self.events.emit("watcher_replaced", host=host.index, address=host.address, pid=pid, was=was,
+                         seconds=round(time.monotonic() - t0, 3))
+
     def lose(self, host: Host, why: str) -> None:
         """Declare `host` lost (once, whoever finds it first): its procs that still run end at their next touch of
         the store, and the controller loses its replicas in one generation change."""
@@ -439,7 +503,7 @@ class Hosts:
         """After a failed spawn of `replica`: whether its host is gone, declared lost now if its watcher does not
         answer (the spawn then failed for the host's sake, not the replica's)."""
         host = self.host_of(replica)
-        if host.watcher is None:
+        if host.watcher is None or host.rewatching:  # a watcher being replaced answers nothing; its host beats on
             return False
         if host.live:
             try:

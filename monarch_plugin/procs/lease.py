@@ -39,7 +39,7 @@ def lease_s(host_timeout_s: float) -> float:
 
 
 class Lease:
-    """Touch the store every `BEAT_S` (adding to `beat_key`, if given); `os._exit` when out of touch for `lease_s`.
+    """Touch the store every `BEAT_S` (adding to each of `beat_keys`); `os._exit` when out of touch for `lease_s`.
 
     Two threads: one touches, one judges. A touch on a cut link does not fail, it blocks (the TCP connection
     retransmits for minutes and the store client sets no deadline), so only a second thread can tell how long
@@ -47,13 +47,13 @@ class Lease:
     """
 
     def __init__(self, store_host: str, store_port: int, host: int, lease: float, what: str, secret: str,
-                 beat_key: str | None = None):
+                 beat_keys: tuple[str, ...] = ()):
         import torch.distributed as dist
 
         self._store = SignedStore(dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
                                                 timeout=datetime.timedelta(seconds=lease)), bytes.fromhex(secret))
         self._lost_key = Key.host_lost(host)
-        self._lease, self._what, self._beat_key = lease, what, beat_key
+        self._lease, self._what, self._beat_keys = lease, what, beat_keys
         self._last_ok = time.monotonic()
         self._since: float | None = None  # when the touch in flight began
         self._failing = False
@@ -64,8 +64,8 @@ class Lease:
         while True:
             self._since = time.monotonic()
             try:
-                if self._beat_key is not None:
-                    self._store.add(self._beat_key, 1)
+                for key in self._beat_keys:
+                    self._store.add(key, 1)
                 try:
                     lost = self._store.peek(self._lost_key) is not None
                 except Forged:  # not the controller's word: whoever wrote it cannot end this proc

@@ -4,9 +4,10 @@ On its own machine the controller holds a pidfd of every worker process and lear
 A pid means nothing on another machine, and Monarch reports a remote death only after 0.5-3 s, and the loss of a
 whole host (its agent gone, or its link down) never: a call to it fails ~60 s later. So each host runs one small
 proc with this actor. It holds pidfds of that host's worker procs and writes each exit into the controller's
-store at once (`Key.host_death`), and it beats (`Key.host_beat`) every `BEAT_S` through its `Lease`: a host whose
-beats stop for `host_timeout_s` is lost, whatever the cause, since a dead agent, a dead machine and a cut link all
-stop them (and a cut-off watcher ends itself, as its host's workers do).
+store at once (`Key.host_death`), and it beats (`Key.host_beat`, as its host's workers do, and `Key.watcher_beat`)
+every `BEAT_S` through its `Lease`: a host whose beats stop for `host_timeout_s` is lost, whatever the cause, since a
+dead agent, a dead machine and a cut link all stop them (and a cut-off watcher ends itself, as its host's workers
+do). A watcher whose own beat stops while its host's go on is replaced by another on that host.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import datetime
 import json
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -91,21 +93,30 @@ class Probe(Actor):
 class HostWatcher(Probe):
     """Also the doctor's `Probe`: its `clock`, and its report on the machine inside `machine`."""
 
-    def __init__(self, store_host: str, store_port: int, host: int, lease: float, secret: str):
+    def __init__(self, store_host: str, store_port: int, host: int, lease: float, secret: str, reported: int = 0,
+                 replaces: int | None = None):
         """`secret`: the run's (`signing`), which signs what this watcher writes to the run's store. It stays out of
-        this proc's environment, which `machine` reports."""
+        this proc's environment, which `machine` reports. A watcher started in place of one that stopped beating
+        (`replaces`: its pid) goes on counting deaths from `reported`, and ends that one first if it is only stuck:
+        one writer of the host's deaths at a time."""
         import torch.distributed as dist
 
+        if replaces is not None:
+            _end_stuck(replaces)
         self._host = host
         self._store_address = (store_host, store_port)
         self._store = SignedStore(dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
                                                 timeout=datetime.timedelta(seconds=lease)), bytes.fromhex(secret))
-        self._reported = 0  # deaths written so far: this watcher is its host's only writer of them
+        self._reported = reported  # deaths written so far: this watcher is its host's only writer of them
         self._report_lock = threading.Lock()
         self._pids = PidWatch(self._report, name="monarch-plugin-watch")
         self._lease = Lease(store_host, store_port, host, lease, f"the watcher of host {host}", secret,
-                            beat_key=Key.host_beat(host))
+                            beat_keys=(Key.host_beat(host), Key.watcher_beat(host)))
         notice.listen(self._going)  # its agent passes on a SIGTERM to every proc: the whole host is going
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
 
     @endpoint
     def machine(self, paths: list[str]) -> dict:
@@ -147,3 +158,20 @@ class HostWatcher(Probe):
             except Exception:  # noqa: BLE001 - unreachable controller: the host will be declared lost
                 return
             self._reported = n
+
+
+def _end_stuck(pid: int) -> None:
+    """SIGKILL the watcher `pid` if it still runs (stopped, or stuck): only when it runs this proc's own command line,
+    so a pid reused meanwhile by anything else is left alone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone: what usually happened to it
+        return
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f, open("/proc/self/cmdline", "rb") as own:
+            if f.read() == own.read():
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -88,7 +88,8 @@ class ReplicaActor(Actor):
         if "MONARCH_PLUGIN_LEASE_S" in env:  # on another host: cut off from the controller, this proc ends itself
             self._lease = Lease(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]),
                                 int(env["MONARCH_PLUGIN_HOST"]), float(env["MONARCH_PLUGIN_LEASE_S"]),
-                                f"replica {env['MONARCH_PLUGIN_REPLICA_ID']} proc {local_rank}", env[SECRET_ENV])
+                                f"replica {env['MONARCH_PLUGIN_REPLICA_ID']} proc {local_rank}", env[SECRET_ENV],
+                                beat_keys=(Key.host_beat(int(env["MONARCH_PLUGIN_HOST"])),))
 
     @endpoint
     def run(self, target: Target) -> Outcome:

@@ -44,6 +44,7 @@ def _lose_host_and_bring_it_back(run, net: netns.NetnsHosts, i: int) -> None:
 def _nothing_outlives(run) -> None:
     """No worker and no host's watcher outlived the run, on any host."""
     pids = [pid for pids in run.pids().values() for pid in pids] + [e["watcher_pid"] for e in run.events("host_up")]
+    pids += [e["pid"] for e in run.events("watcher_replaced")]
     assert not [pid for pid in pids if alive(pid)], pids
 
 
@@ -143,6 +144,45 @@ def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_on
     survivor = on_host[net.address(0)]  # in every generation: it trained every sample of every epoch
     for epoch, counts in enumerate(results[survivor]["seen"]):
         assert set(counts) == {1.0}, f"replica {survivor} epoch {epoch}"
+    _nothing_outlives(run)
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_hosts_watcher_lost_is_replaced_and_its_replicas_train_on(elastic_run, hosts, how):
+    """A host's watcher is a helper: SIGKILLed (the OOM killer's pick) or SIGSTOPped, it takes none of its host's
+    replicas. Its beats stop while the host's workers beat on, so the controller starts another there, which ends a
+    stopped one, watches the replica's procs, and serves the next spawn there: the replica killed after it is
+    replaced on the same host. The host is never lost, and nothing outlives the run."""
+    net = hosts(2)
+    net.start_agents()
+    run = elastic_run()
+    run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "2",
+              "--replicas-per-host", "1", "--host-timeout", "4", "--join-timeout", "120",
+              script=WORKLOADS / "held_loop.py",
+              script_args=("--epochs", str(EPOCHS), "--samples", str(SAMPLES), "--batch", str(BATCH),
+                           "--replicas", "2", "--hold-for-regrow-from", "0", "--out", str(run.out)))
+    run.wait_for(lambda: all(run.progress(r) >= 3 for r in range(2)), timeout=150, what="two replicas training")
+    on_host = {s["host"]: s["replica"] for s in run.events("spawn")}
+    [up] = [e for e in run.events("host_up") if e["address"] == net.address(1)]
+    os.kill(up["watcher_pid"], how)
+    run.wait_for(lambda: run.events("watcher_replaced"), timeout=60, what="host 1's watcher replaced")
+    [replaced] = run.events("watcher_replaced")
+    assert (replaced["host"], replaced["was"]) == (up["host"], up["watcher_pid"]), replaced
+    run.wait_for(lambda: not alive(up["watcher_pid"]), timeout=10, what="the old watcher to end")
+    assert not run.events("death") and not run.events("host_lost"), run.output
+
+    victim = on_host[net.address(1)]
+    os.kill(run.pids()[victim][0], signal.SIGKILL)
+    assert run.wait(timeout=240) == 0, run.output
+    assert [d["replica"] for d in run.events("death")] == [victim], run.events("death")
+    assert not run.events("host_lost") and not run.events("host_watch_error"), run.output
+    replacement = max(run.pids())
+    assert next(s["host"] for s in run.events("spawn") if s["replica"] == replacement) == net.address(1)
+    quorums = run.events("quorum")
+    assert [len(q["members"]) for q in quorums] == [2, 1, 2], quorums
+    results = run.results()
+    assert set(results) == set(quorums[-1]["members"]) and {r["step"] for r in results.values()} == {STEPS}
+    assert len({r["checksum"] for r in results.values()}) == 1
     _nothing_outlives(run)
 
 

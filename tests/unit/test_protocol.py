@@ -62,7 +62,7 @@ def test_mesh_names_parse_back_to_their_replica_and_monarchs_own_do_not():
 
 
 def test_the_meshes_a_controller_spawns_are_told_from_a_users():
-    names = [*mesh_names(3), *watcher_names(1), "logger"]
+    names = [*mesh_names(3), *watcher_names(1), *watcher_names(1, 2), "logger"]  # a watcher, and its second successor
     assert all(spawned_by_controller(f"{name}-e8XgET6cdYv") for name in names)  # Monarch suffixes an id
     assert not any(spawned_by_controller(name) for name in ("user_actor-x1", "replicas-x1", "loggers", "trainer"))
 
