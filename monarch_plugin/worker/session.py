@@ -183,7 +183,9 @@ class ReplicaSession:
         while not store.check([key]):
             if self.flags.stop:
                 raise StopReplica("the controller stopped this replica")
-            if not waiting and time.monotonic() - started > bound:  # a waiting one waits as long as the controller says
+            # Bounded as local rank 0's own wait is: a spare (no generation yet) or a waiting member waits as long as
+            # the controller keeps it.
+            if self.gen >= 0 and not waiting and time.monotonic() - started > bound:
                 raise ProtocolError("join", f"local rank 0 of replica {self.ctx.replica_id} picked no generation for "
                                     f"this proc in {bound:.0f} s")
             time.sleep(0.005 if time.monotonic() - started < 2.0 else 0.05)
