@@ -169,43 +169,47 @@ def write_digests(path: str, files: list[str], share: bool = False) -> None:
     os.replace(tmp, target)
 
 
-def damage(path: str) -> str | None:
+def damage(path: str, hashed: bool = True) -> str | None:
     """What is wrong with the complete checkpoint at `path`, naming its file (cut short, changed since it was written,
-    missing), or None: its files are as they were written (or it was written without digests: nothing to check them
-    by). Reads every file once."""
+    missing, unreadable), or None: its files are as they were written (or it was written without digests: nothing to
+    check them by). Reads every file once; with `hashed` False only their sizes are compared (a checkpoint this run
+    wrote minutes ago, chosen mid-run, where reading hundreds of GB would hold up the run's decisions)."""
     try:
         with _open(_join(path, DIGESTS), "r") as f:
             files = json.load(f)["files"]
+        written = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"its {DIGESTS} cannot be read ({type(e).__name__}: {e})"
-    for name, written in files.items():
+    for name, (size_written, sha256) in written.items():
         file = _join(path, name)
         try:
             size = _size(file)
+            if size < size_written:
+                return f"{name} is cut short: {size} of the {size_written} bytes written"
+            if size != size_written or (hashed and _sha256(file) != sha256):
+                return (f"{name} changed since it was written (its SHA-256 is not the one written with it: a bit "
+                        "flipped on the disk or on its way there, or a write over it)")
         except FileNotFoundError:
             return f"{name} is missing"
-        if size < written["bytes"]:
-            return f"{name} is cut short: {size} of the {written['bytes']} bytes written"
-        if size != written["bytes"] or _sha256(file) != written["sha256"]:
-            return (f"{name} changed since it was written (its SHA-256 is not the one written with it: a bit flipped on "
-                    "the disk or on its way there, or a write over it)")
+        except OSError as e:  # a bad sector, a permission: what a damaged disk also does
+            return f"{name} cannot be read ({type(e).__name__}: {e})"
     return None
 
 
-def newest_written(paths: list[str], skipped=None) -> str | None:
-    """The newest of `paths` (what a run recorded writing) still complete and intact on disk; None if there is none.
-    Each newer one passed over for its damage is told to `skipped(path, why)`."""
-    return _newest_intact(sorted(set(paths), key=step_of), skipped)
+def newest_written(paths: list[str], skipped=None, hashed: bool = True) -> str | None:
+    """The newest of `paths` (what a run recorded writing) still complete and intact on disk (`damage`, `hashed`);
+    None if there is none. Each newer one passed over for its damage is told to `skipped(path, why)`."""
+    return _newest_intact(sorted(set(paths), key=step_of), skipped, hashed)
 
 
-def _newest_intact(paths: list[str], skipped) -> str | None:
+def _newest_intact(paths: list[str], skipped, hashed: bool = True) -> str | None:
     """The last of `paths` (oldest first) that is complete and intact."""
     for path in reversed(paths):
         if not complete(path):
             continue
-        why = damage(path)
+        why = damage(path, hashed)
         if why is None:
             return path
         if skipped is not None:

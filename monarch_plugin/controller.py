@@ -1082,9 +1082,10 @@ class ElasticController:
     def _run_checkpoint(self) -> str | None:
         """The newest complete checkpoint of this run's own (every file recorded by its `checkpoint` events and
         still on disk), else the one it resumed from: what a generation left without a holder restores. Never
-        another run's: a checkpoint in the same directory that this run did not write was never its state."""
+        another run's: a checkpoint in the same directory that this run did not write was never its state. Checked
+        by its files' sizes only: this runs on the supervision loop, which must not read the whole checkpoint."""
         paths = [e["path"] for e in read_events(self.config.events_path or "") if e["event"] == "checkpoint"]
-        return newest_written(paths, skipped=self._damaged) or self.config.resume
+        return newest_written(paths, skipped=self._damaged, hashed=False) or self.config.resume
 
     def _newest_checkpoint(self, live: list[int]) -> str | None:
         """The checkpoint to resume a stopped run from, when none was written on the way out: the newest one the

@@ -231,6 +231,10 @@ def test_a_damaged_checkpoint_is_named_so_and_auto_passes_over_it_for_the_newest
     assert newest(str(tmp_path), skipped=lambda p, why: skipped.append(p)) == paths[2]
     assert skipped == [paths[8], paths[6], paths[4]]
     assert newest_written(list(paths.values())[1:]) is None  # what a run wrote, none of it intact
+    # Mid-run, the controller checks sizes only (reading the whole checkpoint would hold up its decisions): the
+    # flipped bits pass, a file cut short or missing does not.
+    assert newest_written(list(paths.values())[1:], hashed=False) == paths[8]
+    assert damage(paths[6], hashed=False) == f"{name} is cut short: {size // 2} of the {size} bytes written"
 
     with pytest.raises(ValueError, match=r"step00000008 is damaged: .* changed since it was written.*'auto' for the "
                                          "newest intact one"):
@@ -241,5 +245,16 @@ def test_a_damaged_checkpoint_is_named_so_and_auto_passes_over_it_for_the_newest
         assert resumed.resume("auto") and resumed.step == 2
     assert [r.getMessage().split(":")[0] for r in caplog.records if r.name == "monarch_plugin"] == [
         f"the checkpoint {p} is damaged" for p in skipped]
-    os.remove(tmp_path / "step00000002" / DIGESTS)  # written before digests were: nothing to check it by
+    record = tmp_path / "step00000002" / DIGESTS
+    intact = record.read_text()
+    record.write_text(json.dumps({"algorithm": "sha256", "files": {name: {"bytes": size}}}))  # torn, or forged
+    assert damage(paths[2]).startswith(f"its {DIGESTS} cannot be read (KeyError")
+    data = _largest(paths[2])
+    os.remove(data)
+    os.mkdir(data)  # of the size written, but it cannot be read as a file: the read fails, and nothing escapes
+    entry = json.loads(intact)
+    entry["files"][name]["bytes"] = os.path.getsize(data)
+    record.write_text(json.dumps(entry))
+    assert damage(paths[2]).startswith(f"{name} cannot be read (IsADirectoryError")
+    os.remove(record)  # written before digests were: nothing to check it by
     assert damage(paths[2]) is None
