@@ -48,9 +48,16 @@ ctx = worker_context()
 seen = torch.zeros(args.epochs, args.samples)
 
 
+def publish(name: str, text: str) -> None:
+    """OUT/name, whole or not at all: the test reads it while this replica runs (and may be killed mid-write)."""
+    path = os.path.join(args.out, name)
+    with open(f"{path}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.tmp", path)
+
+
 def mark(name: str) -> None:
-    with open(os.path.join(args.out, f"{name}-{ctx.replica_id}"), "w") as f:
-        f.write(str(os.getpid()))
+    publish(f"{name}-{ctx.replica_id}", str(os.getpid()))
 
 
 for step in loop:
@@ -63,8 +70,7 @@ for step in loop:
     counts[idx] = 1.0
     if step.commit(seen=counts):
         seen[step.epoch] += step.metrics["seen"].float()
-        with open(os.path.join(args.out, f"progress-{ctx.replica_id}"), "w") as f:
-            f.write(str(loop.step))
+        publish(f"progress-{ctx.replica_id}", str(loop.step))
         if loop.done():
             mark("at-end")
             if ctx.replica_id == args.late:
@@ -72,6 +78,6 @@ for step in loop:
 mark("after")
 if args.linger_replica in (None, ctx.replica_id):
     time.sleep(args.linger)
-with open(os.path.join(args.out, f"result-{ctx.replica_id}.json"), "w") as f:
-    json.dump({"replica": ctx.replica_id, "step": loop.step, "checksum": weights_checksum(model), "pid": os.getpid(),
-               "seen": seen.tolist(), "initial": ctx.initial, "host": ctx.bind_address}, f)
+publish(f"result-{ctx.replica_id}.json", json.dumps({
+    "replica": ctx.replica_id, "step": loop.step, "checksum": weights_checksum(model), "pid": os.getpid(),
+    "seen": seen.tolist(), "initial": ctx.initial, "host": ctx.bind_address}))
