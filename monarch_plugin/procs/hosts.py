@@ -66,6 +66,7 @@ class Host:
     watchers: int = 1
     """How many watchers were started here: a watcher that stops beating is replaced (`Hosts._rewatch`)."""
     rewatching: bool = False
+    rewatch_failures: int = 0
     watched: dict[int, list[int]] = field(default_factory=dict)
     """replica -> its procs' pids, which a watcher started in place of another watches again."""
     live: bool = True
@@ -450,41 +451,54 @@ class Hosts:
         watcher is a helper, and its loss (the OOM killer's pick, a stray kill, a stopped process) must not be its
         replicas' loss. The new one ends the old if it is only stuck, counts deaths on from `reported` (those the
         controller has read), and watches every replica's procs again (one that exited meanwhile is reported at
-        once). If the host's agent does not answer, the host is lost by its beats as before."""
+        once). A try the agent does not answer is tried again `_REWATCH_S` later (reported once); a host that stops
+        beating meanwhile is lost by its beats as before."""
+        t0, was = time.monotonic(), host.watcher_pid
+        try:
+            pid = self._replace_watcher(host, reported)
+        except Exception as e:  # noqa: BLE001 - the agent did not answer: tried again, unless the host is lost
+            pid = None
+            host.rewatch_failures += 1
+            if host.rewatch_failures == 1:
+                self.events.emit("watcher_unreplaced", host=host.index, address=host.address, was=was,
+                                 error=f"{type(e).__name__}: {e}")
+        finally:
+            host.watcher_heard_at = time.monotonic()  # the next try, or the new watcher's first beat, from now
+            host.rewatching = False
+        if pid is not None:
+            host.rewatch_failures = 0
+            self.events.emit("watcher_replaced", host=host.index, address=host.address, pid=pid, was=was,
+                             seconds=round(time.monotonic() - t0, 3))
+
+    def _replace_watcher(self, host: Host, reported: int) -> int | None:
+        """The new watcher's pid, once it watches the host's replicas; None if the host was lost meanwhile."""
         from monarch_plugin.procs.watcher import HostWatcher
 
-        t0, was = time.monotonic(), host.watcher_pid
-        procs = None
+        procs_name, actor_name = watcher_names(host.index, host.watchers)
+        host.watchers += 1  # a name each try: a failed try's procs may still be stopping
+        procs = host.mesh.spawn_procs(per_host={"procs": 1}, name=procs_name,
+                                      bootstrap_command=notice.bootstrap_command())
         try:
-            procs_name, actor_name = watcher_names(host.index, host.watchers)
-            procs = host.mesh.spawn_procs(per_host={"procs": 1}, name=procs_name,
-                                          bootstrap_command=notice.bootstrap_command())
             watcher = procs.spawn(actor_name, HostWatcher, self.config.store_host, self._store.port, host.index,
-                                  self._lease, self._secret, reported, was)
+                                  self._lease, self._secret, reported, host.watcher_pid)
             pid = watcher.pid.call_one().get(timeout=self.config.join_timeout_s)
-        except Exception as e:  # noqa: BLE001 - an agent that does not answer: its host is lost by its beats
-            self.events.emit("watcher_unreplaced", host=host.index, address=host.address, was=was,
-                             error=f"{type(e).__name__}: {e}")
-            if procs is not None:
-                _stop(procs)
-            return
+        except BaseException:
+            _stop(procs)
+            raise
         with self._lock:
             old, live = host.watcher_procs, host.live
             if live:
                 host.watcher, host.watcher_procs, host.watcher_pid = watcher, procs, pid
-                host.watchers += 1
         if not live:
             _stop(procs)
-            return
+            return None
         try:
             for replica, pids in list(host.watched.items()):
                 watcher.watch.call_one(replica, pids).get(timeout=_CALL_S)
         except Exception:  # noqa: BLE001 - lost meanwhile: its beats say so
             pass
         threading.Thread(target=_stop, args=(old,), daemon=True).start()
-        host.rewatching = False
-        self.events.emit("watcher_replaced", host=host.index, address=host.address, pid=pid, was=was,
-                         seconds=round(time.monotonic() - t0, 3))
+        return pid
 
     def lose(self, host: Host, why: str) -> None:
         """Declare `host` lost (once, whoever finds it first): its procs that still run end at their next touch of
