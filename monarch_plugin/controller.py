@@ -76,6 +76,10 @@ _PROBE_TIMEOUT_S = 5.0
 """How long a probed control actor may take to say what its proc is doing; a frozen (SIGSTOPped) proc never does."""
 
 
+class _EndedFirst(Exception):
+    """A stop found the run's training already ended: its end barrier passed before the stop could close it."""
+
+
 class _FaultRouter:
     """Monarch's `unhandled_fault_hook`, for the rest of the process once a controller has run in it.
 
@@ -448,18 +452,21 @@ class ElasticController:
 
     def _supervise(self) -> None:
         while not self._closing.is_set():
-            self._drain(timeout=0.02)
-            if self._closing.is_set():
-                return
-            self._check_told()
-            if self.finished_gen is None:  # the run's decisions: none is taken once training is over
-                self._respawn_due()
-                self._check_drains()
-                self._admit_ready()
-                self._check_starting()
-                self._check_stalled()
-                self._check_wedged()
-                self._check_floor()
+            try:
+                self._drain(timeout=0.02)
+                if self._closing.is_set():
+                    return
+                self._check_told()
+                if self.finished_gen is None:  # the run's decisions: none is taken once training is over
+                    self._respawn_due()
+                    self._check_drains()
+                    self._admit_ready()
+                    self._check_starting()
+                    self._check_stalled()
+                    self._check_wedged()
+                    self._check_floor()
+            except _EndedFirst as e:
+                logger.warning("the run's training ended before it could be stopped (%s): it is complete", e)
             stopped = self._stop_by is not None and time.monotonic() > self._stop_by
             if self._training_over() or stopped:
                 left = [m for m in self._finishers() if self.replicas[m].state != ReplicaState.FINISHED]
@@ -490,6 +497,15 @@ class ElasticController:
             self.finished_gen = next((g for g in self._open_ends
                                       if all(passed(self.store, Key.finished(g, lane)) for lane in lanes)), None)
         return self.finished_gen is not None
+
+    def _close_ends(self) -> bool:
+        """Supersede every end barrier still open, so that no member passes one from now on: whether training ended
+        before (one had passed already: `finished_gen` is then set). The supersede is the moment that decides a race
+        between the last member arriving at the end and a decision to replace or stop its generation."""
+        for g in self._open_ends:
+            for lane in range(self.config.procs_per_replica):
+                supersede(self.store, Key.finished(g, lane))
+        return self._ended()
 
     def _training_over(self) -> bool:
         """Every replica that must return from training did (or died after it ended): the run is done."""
@@ -1056,9 +1072,7 @@ class ElasticController:
             for share in range(self.config.heal_donors):
                 supersede(self.store, Key.heal_group(g - 1, lane, share))
         if interrupt:  # so does every end barrier still open (a grow or a drain leaves members that reached it there)
-            for old in self._open_ends:
-                for lane in lanes:
-                    supersede(self.store, Key.finished(old, lane))
+            self._close_ends()
             self._open_ends.clear()
         self._open_ends.append(g)
         # Each proc concerned is told as a message: a waiting one then reads the plan, never polls for it.
@@ -1132,7 +1146,11 @@ class ElasticController:
         everything stops; with none in training, a replica whose training code raised writes it from the state it
         held untouched (`_Replica.kept`). With none holding it, nothing is written (a replica's own weights would be
         a checkpoint the run never trained) and the message names the newest checkpoint on disk to resume from.
-        `detail` follows the message (the tracebacks of a bug); `error` is what is raised."""
+        `detail` follows the message (the tracebacks of a bug); `error` is what is raised. Training that ended
+        before the stop could close its end (`_close_ends`) is not stopped: `_EndedFirst`, and the run ends as any
+        finished run does."""
+        if self._close_ends():
+            raise _EndedFirst(reason)
         self._closing.set()  # what happens from here is recorded, and decides nothing but who writes
         checkpoint = self._stop_checkpoint(reason) or self._checkpoint_held()
         # Replicas whose training code raised still answer, unless ended: even one whose sibling is stuck.
