@@ -1207,6 +1207,8 @@ class ElasticController:
             if writer.raised is not None:
                 self._write_error = writer.raised.error
             holders = [m for m in holders if self.replicas[m].state == ReplicaState.MEMBER]
+            if holders and (writer.raised is None or self.config.procs_per_replica > 1):
+                self.hosts.kill(writer.rid)  # its other procs may still be writing the files the next one writes
             if holders:
                 why = f"raised {writer.raised.error}" if writer.raised else writer.state.value
                 logger.warning("replica %d did not write the checkpoint (%s): replica %d writes it instead", writer.rid,

@@ -337,8 +337,7 @@ class ElasticLoop:
         raiser alone is left to write: a proc of a multi-proc replica holds only its part, so it writes none."""
         if self._lanes > 1 and threading.current_thread() is not self._trainer:
             return None
-        if self._checkpoints is not None:
-            self._checkpoints.wait()
+        self._wait_for_periodic("write the stop's checkpoint")
         from monarch_plugin.worker import dcp_io
 
         path = step_path(self.config.checkpoint_dir, committed)  # the steps the state holds (`StepTransaction.held`)
@@ -347,10 +346,21 @@ class ElasticLoop:
 
     def _restore(self, path: str) -> int:
         """A RESTORE generation (no replica left holding the run's state): load the run's checkpoint mid-run."""
-        if self._checkpoints is not None:
-            self._checkpoints.wait()  # its group is the one the load reads on
+        self._wait_for_periodic("restore a checkpoint")
         self.resume(path)
         return self.step
+
+    def _wait_for_periodic(self, what: str) -> None:
+        """Until the periodic write in progress is done: its group is the one a stop's write or a restore's load runs
+        on, and two DCP operations on one group would mix their collectives. One that hangs past its bound fails this
+        proc instead (the controller then has another holder write, or replaces this replica)."""
+        if self._checkpoints is None:
+            return
+        self._checkpoints.wait()
+        if self._checkpoints.busy():
+            raise RuntimeError(f"monarch-plugin cannot {what}: this proc's periodic checkpoint write has not finished "
+                               f"in `join_timeout_s` {self.config.join_timeout_s:g} s (a filesystem that stopped "
+                               "answering?), and a second write or a load on its group would mix with it")
 
     def resume(self, path: str) -> bool:
         """Load a durable checkpoint (before iterating): its `step<N>` directory, or "auto" for the newest complete

@@ -136,6 +136,13 @@ def test_a_write_that_hangs_is_given_up_on_and_nothing_is_written_over_it(tmp_pa
     assert kind == "checkpoint_failed" and fields["step"] == 1 and "did not finish in 0.5 s" in fields["error"]
     writer.write(2, {"w": torch.zeros(1)}, None)  # still busy: not started over the hung one
     assert writer.busy() and not os.path.exists(tmp_path / "step00000002")
+    loop = _loop(4)
+    loop._checkpoints = writer  # a stop's write and a restore's load would run on the group the hung write holds
+    for attempt, what in ((lambda: loop._write_checkpoint(1), "write the stop's checkpoint"),
+                          (lambda: loop._restore(str(tmp_path / "step00000001")), "restore a checkpoint")):
+        with pytest.raises(RuntimeError, match=f"cannot {what}: this proc's periodic checkpoint write has not "
+                                               "finished"):
+            attempt()
     with open(tmp_path / "step00000001" / "__0_0.distcp", "rb") as fifo:  # the mount answers again
         fifo.read()
     for _ in range(20):
