@@ -9,9 +9,10 @@ deaths and beats through the controller's store, as its workers' leases beat too
 stops while its host beats on is a helper lost, not a host: another is started there (`Hosts._rewatch`).
 Monarch's `monarch.job` launchers (SLURM, Kubernetes) attach a fixed set of hosts once; here hosts can also come
 later, from `hosts_file`, which is re-read every second: a machine added to it, or an agent restarted on a new
-port (Monarch does not re-attach an address it has marked lost), joins the run. A line is attached only if `admission` admits it (a hosts file no one else can
-write; with `token_file`, a line carrying the HMAC of its address under the job's token): any other is refused
-with a `host_refused` event and its address is never contacted.
+port (Monarch does not re-attach an address it has marked lost), joins the run. A line is attached only if
+`admission` admits it (a hosts file no one else can write; with `token_file`, a line carrying the HMAC of its
+address under the job's token): any other is refused with a `host_refused` event and its address is never
+contacted.
 
 Every death or loss becomes one typed report on the controller's queue (`protocol.Died`, `HostLost`, `HostUp`).
 """
