@@ -183,6 +183,9 @@ def test_a_hosts_watcher_lost_is_replaced_and_its_replicas_train_on(elastic_run,
     results = run.results()
     assert set(results) == set(quorums[-1]["members"]) and {r["step"] for r in results.values()} == {STEPS}
     assert len({r["checksum"] for r in results.values()}) == 1
+    survivor = on_host[net.address(0)]  # trained from the first step to the last: every sample once an epoch
+    for epoch, counts in enumerate(results[survivor]["seen"]):
+        assert set(counts) == {1.0}, f"epoch {epoch}"
     _nothing_outlives(run)
 
 
