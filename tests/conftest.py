@@ -77,6 +77,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def stopped(pid: int) -> bool:
+    """True if pid is stopped (SIGSTOP: state T)."""
+    try:
+        return _stat(pid)[0] == "T"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def parent(pid: int) -> int:
     return int(_stat(pid)[1])
 

@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from conftest import WORKLOADS, alive
+from conftest import WORKLOADS, alive, stopped
 
 pytestmark = pytest.mark.timeout(240)
 SAMPLES, BATCH, EPOCHS = 240, 24, 3  # 10 steps an epoch
@@ -23,11 +23,11 @@ TOTAL = EPOCHS * SAMPLES // BATCH
 LAST_HOLDER_LOST = "sigkill:replica=1:step=8,sigkill:replica=0:at=heal_donor:step=1"
 
 
-def _logged(run, *args: str):
-    return run.start("--replicas", "2", "--min-replicas", "1", "--fault", LAST_HOLDER_LOST, *args,
+def _logged(run, *args: str, faults: str = LAST_HOLDER_LOST, hold: tuple[str, ...] = ()):
+    return run.start("--replicas", "2", "--min-replicas", "1", "--fault", faults, *args,
                      script=WORKLOADS / "logged_loop.py",
                      script_args=("--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(EPOCHS),
-                                  "--step-sleep", "0.05", "--out", str(run.out)))
+                                  "--step-sleep", "0.05", "--out", str(run.out), *hold))
 
 
 def _steps(run) -> list[dict]:
@@ -41,12 +41,23 @@ def _no_orphans(run) -> None:
 
 
 def test_the_last_holder_dying_mid_heal_restores_the_runs_checkpoint_and_trains_the_lost_steps_again(elastic_run):
-    run = _logged(elastic_run(), "--checkpoint-steps", "5")
+    # Where the heal falls is pinned, so steps after the checkpoint are always lost: the replacement gets ready only
+    # once replica 0, training alone, has frozen at the start of step 12 (the checkpoint of step 10 behind it), and
+    # replica 0 goes on once the grow is announced: it commits step 12 and dies serving the heal at the boundary.
+    run = elastic_run()
+    release = run.tmp / "release-replica-2"
+    _logged(run, "--checkpoint-steps", "5", faults=f"{LAST_HOLDER_LOST},stop:replica=0:step=12",
+            hold=("--hold", f"2:{release}"))
+    run.wait_for(lambda: 0 in run.pids() and stopped(run.pids()[0][0]), timeout=120, what="replica 0 frozen at step 12")
+    release.touch()
+    run.wait_for(lambda: [0, 2] in [q["members"] for q in run.events("quorum")], timeout=120,
+                 what="the replacement admitted")
+    os.kill(run.pids()[0][0], signal.SIGCONT)
     assert run.wait(timeout=200) == 0, run.output
 
     [restore] = run.events("restore")
-    start = restore["step"]  # the newest checkpoint when the holder died: how far it trained alone varies
-    assert start >= 5 and start % 5 == 0 and restore["members"] == [2], restore
+    start = restore["step"]  # the newest complete checkpoint when the holder died: 10, or 5 if 10 was still writing
+    assert start in (5, 10) and restore["members"] == [2], restore
     quorum = next(q for q in run.events("quorum") if q["gen"] == restore["gen"])
     assert quorum["action"] == "restore" and quorum["holders"] == [] and quorum["checkpoint"] == restore["path"]
     assert [e["replica"] for e in run.events("restored")] == [2]
@@ -62,7 +73,7 @@ def test_the_last_holder_dying_mid_heal_restores_the_runs_checkpoint_and_trains_
     restart = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
     assert [r["step"] for r in records[restart:]] == list(range(start, TOTAL))
     redone = [r for r in records[:restart] if r["step"] >= start]
-    assert redone, "nothing was committed after the checkpoint before the holder died"
+    assert [r["step"] for r in redone] == list(range(start, 13))
     for old in redone:  # the same batch from the same state: the loss it had the first time
         assert final[old["step"]]["batch"] == old["batch"]
         assert final[old["step"]]["loss"] == pytest.approx(old["loss"], rel=1e-5), (old, final[old["step"]])

@@ -33,8 +33,15 @@ p.add_argument("--straggle-until", type=int, default=0)
 p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d in the model, whose statistics a forward moves")
 p.add_argument("--dropout", action="store_true", help="a Dropout in the model, which draws from the RNG in a forward")
 p.add_argument("--fsdp", action="store_true", help="fully_shard the model over this replica's procs")
+p.add_argument("--hold", default=None, metavar="R:FILE", help="replica R builds its loop (gets ready to join) only "
+               "once FILE exists: a replacement as slow to get ready as the test needs")
 p.add_argument("--out", required=True)
 args = p.parse_args()
+ctx = worker_context()
+if args.hold:
+    held, release = args.hold.split(":", 1)
+    while ctx.replica_id == int(held) and not os.path.exists(release):
+        time.sleep(0.05)
 
 x, y, model = toy_problem(args.samples, args.batchnorm)
 if args.dropout:
@@ -49,7 +56,6 @@ optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples, global_batch_size=args.batch,
                    max_epochs=args.epochs, seed=0)
-ctx = worker_context()
 for step in loop:
     idx = torch.tensor(step.indices, dtype=torch.long)
     loss = nn.functional.mse_loss(model(x[idx]), y[idx])  # this share's mean: the runtime weighs the shares
