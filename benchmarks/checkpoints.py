@@ -30,7 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from monarch_plugin import ElasticLoop
-from monarch_plugin.checkpoint import DIGESTS, save_file, step_path
+from monarch_plugin.storage.checkpoint import DIGESTS, save_file, step_path
 from monarch_plugin.worker import dcp_io
 from monarch_plugin.worker.checkpoint_writer import detached_copy
 from workload import build

@@ -40,7 +40,7 @@ def main() -> None:
             print("| hosts | whole command | checking (its own report) | exit |\n|---|---|---|---|")
             for name, addresses in cases.items():
                 t0 = time.monotonic()
-                done = subprocess.run([sys.executable, "-c", "import sys; from monarch_plugin.cli import plugin; "
+                done = subprocess.run([sys.executable, "-c", "import sys; from monarch_plugin.tools.cli import plugin; "
                                        "sys.exit(plugin(sys.argv[1:]))", "doctor", "--hosts", ",".join(addresses),
                                        "--timeout", str(args.timeout)], capture_output=True, text=True, timeout=300)
                 took = time.monotonic() - t0

@@ -226,7 +226,7 @@ def row_forkserver(args) -> list[tuple[str, str]]:
         return [("forkserver", f"needs 2 GPUs (a GPU per replica), {_gpus()} here")]
     with tempfile.TemporaryDirectory() as tmp:
         events = os.path.join(tmp, "events.jsonl")
-        rc, text = _run([sys.executable, "-m", "monarch_plugin.cli", "--replicas", "2", "--forkserver",
+        rc, text = _run([sys.executable, "-m", "monarch_plugin.tools.cli", "--replicas", "2", "--forkserver",
                          "--events", events, str(REPO / "recipes" / "elastic_loop.py"), "--epochs", "2",
                          "--step-sleep", "0"], 300, REPO)
         from monarch_plugin.events import read_events

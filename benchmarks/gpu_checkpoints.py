@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from monarch_plugin import ElasticLoop
-from monarch_plugin.checkpoint import save_file, step_path
+from monarch_plugin.storage.checkpoint import save_file, step_path
 from monarch_plugin.worker import dcp_io
 from monarch_plugin.worker.checkpoint_writer import detached_copy
 from monarch_plugin.worker.transaction import rng_state, set_rng_state

@@ -55,7 +55,7 @@ def main() -> None:
         sys.exit(f"{args.path} not found: give tests/trainer/test_trainer_distributed.py of a checkout of "
                  "github.com/huggingface/transformers")
     with tempfile.TemporaryDirectory() as scratch:
-        cmd = [sys.executable, "-m", "monarch_plugin.cli", "--replicas", str(args.replicas),
+        cmd = [sys.executable, "-m", "monarch_plugin.tools.cli", "--replicas", str(args.replicas),
                "--events", os.path.join(scratch, "monarch_events.jsonl"), "--checkpoint-dir",
                os.path.join(scratch, "ckpt"), str(Path(__file__).resolve()), "--as-replica", str(args.path.resolve()),
                "--output_dir", os.path.join(scratch, "out"), "--report_to", "none", "--use_cpu", "true"]

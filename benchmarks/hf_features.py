@@ -103,7 +103,7 @@ def _reference(root: Path, fields: dict, more: tuple[str, ...]) -> int:
 def _elastic(root: Path, fields: dict, more: tuple[str, ...], steps: int, check) -> str:
     out, events = root / "elastic", root / "elastic" / "monarch_events.jsonl"
     out.mkdir(parents=True)
-    cmd = [sys.executable, "-m", "monarch_plugin.cli", "--replicas", str(REPLICAS), "--min-replicas", "1",
+    cmd = [sys.executable, "-m", "monarch_plugin.tools.cli", "--replicas", str(REPLICAS), "--min-replicas", "1",
            "--join-timeout", "600", "--collective-timeout", "300", "--events", str(events),
            "--checkpoint-dir", str(out / "ckpt"), *_script(out, fields, more, REPLICAS, BATCH, STEP_SLEEP_S)]
     log = open(out / "run.log", "w")

@@ -80,7 +80,7 @@ def main() -> None:
     launchers = {
         "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
                      f"--nproc-per-node={args.replicas}", __file__],
-        "monarch-run": [sys.executable, "-m", "monarch_plugin.cli", "--replicas", str(args.replicas),
+        "monarch-run": [sys.executable, "-m", "monarch_plugin.tools.cli", "--replicas", str(args.replicas),
                         "--events", "events.jsonl", __file__],
     }
     # One thread per process on both sides (both launchers' default), whatever this shell says.

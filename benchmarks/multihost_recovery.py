@@ -9,7 +9,7 @@ numbers are the runtime's own costs, not a model's):
   remote  three namespace hosts with a real `monarch-plugin host` agent each, one replica per host: one remote
           worker SIGKILLed (seen by its host's watcher), then, in the same run once it regrew, a whole host
           SIGKILLed, agent and all (lost after --host-timeout), its agent started again on a new port
-Reads the phases from the run's own events (monarch_plugin.report): kill -> detected, kill -> next committed
+Reads the phases from the run's own events (monarch_plugin.tools.report): kill -> detected, kill -> next committed
 step of the survivors, replacement spawn -> training. Writes <out>/multihost_recovery.json and prints a
 markdown table for docs/benchmarks.md.
 """
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from monarch_plugin.events import EventLog, read_events
-from monarch_plugin.report import recoveries
+from monarch_plugin.tools.report import recoveries
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -51,7 +51,7 @@ def _start(work: Path, extra: list[str], epochs: int) -> tuple[subprocess.Popen,
     out = work / "out"
     out.mkdir(parents=True)
     events = work / "events.jsonl"
-    cmd = [sys.executable, "-m", "monarch_plugin.cli", "--events", str(events), "--replicas", "3",
+    cmd = [sys.executable, "-m", "monarch_plugin.tools.cli", "--events", str(events), "--replicas", "3",
            "--join-timeout", "120", *extra, str(WORKLOAD), "--epochs", str(epochs), "--samples", "256",
            "--batch", "24", "--step-sleep", "0.05", "--replicas", "3", "--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=work, stdout=open(work / "run.log", "w"), stderr=subprocess.STDOUT)

@@ -3,7 +3,7 @@
 For each model size, on N replicas of one process each:
   ddp      torchrun + torch DDP (gloo), no failure                     -> steady step time baseline
   elastic  monarch-run + ElasticLoop; replica 1 SIGKILLed by this script -> steady step time, and the
-           recovery phases read from the run's own events file (monarch_plugin.report)
+           recovery phases read from the run's own events file (monarch_plugin.tools.report)
   fresh    the same with --no-forkserver: the replacement starts as a fresh interpreter, as Monarch's own
            procs do, instead of forked from the warm forkserver
   warm     the same with --spares 1: a hot spare (training code started, waiting) replaces the dead
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from harness import finished, kill, reap, spawned, wait_for
 from monarch_plugin.events import read_events
-from monarch_plugin.report import recoveries
+from monarch_plugin.tools.report import recoveries
 
 HERE = Path(__file__).resolve().parent
 WORKLOAD = HERE / "workload.py"

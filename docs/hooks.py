@@ -41,7 +41,7 @@ if sys.path[:1] != [str(ROOT)]:
 
 import monarch_plugin  # noqa: E402 - after the checkout is first on sys.path
 from monarch_plugin import errors  # noqa: E402
-from monarch_plugin.cli import build_parser  # noqa: E402
+from monarch_plugin.tools.cli import build_parser  # noqa: E402
 from monarch_plugin.config import LOOP_ONLY, ElasticConfig, field_default, field_docs  # noqa: E402
 
 __all__ = ["ROOT", "GENERATED", "INTERNAL", "SCANNED", "USER_FACING", "Message", "config_reference", "error_messages",

@@ -24,7 +24,7 @@ _WHERE = {
     "ElasticController": ("monarch_plugin.controller", "ElasticController"),
     "ElasticLoop": ("monarch_plugin.worker.loop", "ElasticLoop"),
     "ElasticRunAborted": ("monarch_plugin.errors", "ElasticRunAborted"),
-    "ElasticSampler": ("monarch_plugin.sampler", "ElasticSampler"),
+    "ElasticSampler": ("monarch_plugin.data.sampler", "ElasticSampler"),
     "FaultSpec": ("monarch_plugin.faults", "FaultSpec"),
     "InjectedFault": ("monarch_plugin.faults", "InjectedFault"),
     "ReplicaCodeError": ("monarch_plugin.errors", "ReplicaCodeError"),
@@ -32,7 +32,7 @@ _WHERE = {
     "Step": ("monarch_plugin.worker.loop", "Step"),
     "Target": ("monarch_plugin.target", "Target"),
     "read_events": ("monarch_plugin.events", "read_events"),
-    "weights_checksum": ("monarch_plugin.checksum", "weights_checksum"),
+    "weights_checksum": ("monarch_plugin.storage.checksum", "weights_checksum"),
     "worker_context": ("monarch_plugin.worker.context", "current"),
 }
 """Each public name: the module that defines it, and its name there."""

@@ -165,7 +165,7 @@ class ElasticConfig:
 
     checkpoint_dir: str | None = None
     """Where durable checkpoints are written (a ``step<N>`` directory each, torch.distributed.checkpoint): when the
-    run gives up, and every ``checkpoint_steps`` / ``checkpoint_interval_s`` (one writer; `monarch_plugin.checkpoint`).
+    run gives up, and every ``checkpoint_steps`` / ``checkpoint_interval_s`` (one writer; `monarch_plugin.storage.checkpoint`).
     A run that writes or resumes them holds the directory until it ends: a second one is refused. An fsspec URL
     (``s3://bucket/run``, with fsspec and its filesystem installed) is written the same way, but not held. None:
     ``checkpoints`` beside the events file, in the run's own directory."""

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from monarch_plugin.filemodes import file_mode, make_dirs
+from monarch_plugin.storage.filemodes import file_mode, make_dirs
 
 __all__ = ["EventLog", "LEVELS", "read_events"]
 

@@ -100,7 +100,7 @@ class ElasticRun:
 
     def start(self, *args: str, script: Path | str = RECIPE, script_args: tuple[str, ...] = (),
               cwd: Path | None = None) -> "ElasticRun":
-        cmd = [sys.executable, "-m", "monarch_plugin.cli", "--events", str(self.events_path),
+        cmd = [sys.executable, "-m", "monarch_plugin.tools.cli", "--events", str(self.events_path),
                "--checkpoint-dir", str(self.tmp / "ckpt"), *args, str(script), *script_args]
         self.log = open(self.tmp / "run.log", "w")
         self.proc = subprocess.Popen(cmd, cwd=cwd or self.tmp, stdout=self.log, stderr=subprocess.STDOUT,

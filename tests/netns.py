@@ -54,7 +54,7 @@ class NetnsHosts:
         self.hosts_file.chmod(0o644)  # whatever the umask: a run refuses a hosts file others may write
         self.token_file: Path | None = None
         if token:
-            from monarch_plugin.admission import make_token
+            from monarch_plugin.procs.admission import make_token
 
             self.token_file = tmp / "token"
             make_token(str(self.token_file))

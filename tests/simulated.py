@@ -23,7 +23,7 @@ import threading
 import time
 
 from monarch_plugin.events import EventLog
-from monarch_plugin.protocol import Action, Key, Outcome, Plan, Raised
+from monarch_plugin.wire.protocol import Action, Key, Outcome, Plan, Raised
 
 __all__ = ["Fleet", "wait_for"]
 
@@ -34,8 +34,8 @@ def _replica(rid: int, env: dict, flags, finishing: threading.Event, killed: thr
              report, ready: bool, raising: list) -> None:
     import torch.distributed as dist
 
-    from monarch_plugin.handshake import GenerationChanged, barrier
-    from monarch_plugin.signing import SECRET_ENV, SignedStore
+    from monarch_plugin.wire.handshake import GenerationChanged, barrier
+    from monarch_plugin.wire.signing import SECRET_ENV, SignedStore
 
     timeout_s = float(env.get("MONARCH_PLUGIN_JOIN_TIMEOUT_S", "120"))
     store = SignedStore(dist.TCPStore(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from transformers.utils import logging
 
-from monarch_plugin.stream import StreamWindow
+from monarch_plugin.data.stream import StreamWindow
 
 __all__ = ["ElasticStream"]
 

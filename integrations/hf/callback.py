@@ -42,7 +42,7 @@ from transformers.utils import logging
 from monarch_plugin.config import LOOP_ONLY, cli_flag, field_default
 from monarch_plugin.integrations.hf import _trainer_hooks
 from monarch_plugin.integrations.hf._stream import ElasticStream
-from monarch_plugin.sampler import ElasticSampler, ShareSampler, forget_before, reloader, share, weight
+from monarch_plugin.data.sampler import ElasticSampler, ShareSampler, forget_before, reloader, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from monarch_plugin.checkpoint import save_file
+from monarch_plugin.storage.checkpoint import save_file
 
 __all__ = ["AtomicCheckpointIO"]
 

@@ -41,13 +41,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from monarch_plugin.checksum import state_checksum
+from monarch_plugin.storage.checksum import state_checksum
 from monarch_plugin.config import (LOOP_ONLY, ElasticConfig, field_default, field_docs, front_end_fields, given,
                                    in_slurm_allocation)
 from monarch_plugin.controller import ElasticController
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.integrations.lightning._lightning_hooks import Launcher, check_version
-from monarch_plugin.report import run_summary
+from monarch_plugin.tools.report import run_summary
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context as _context
 

@@ -40,12 +40,12 @@ from typing_extensions import override
 
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.filemodes import make_dirs
+from monarch_plugin.storage.filemodes import make_dirs
 import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
 from monarch_plugin.integrations.lightning.checkpoint_io import AtomicCheckpointIO
 from monarch_plugin.integrations.lightning.launcher import arguments_doc, check_training_loader, signature
 from monarch_plugin.integrations.lightning.launcher import take_settings
-from monarch_plugin.sampler import ElasticSampler, ShareSampler, reloader, share, weight
+from monarch_plugin.data.sampler import ElasticSampler, ShareSampler, reloader, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 

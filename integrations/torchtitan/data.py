@@ -24,8 +24,8 @@ from torchtitan.components.dataloader import BaseDataLoader, DataloaderExhausted
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import Configurable
 
-from monarch_plugin.sampler import shard_bounds
-from monarch_plugin.stream import StreamWindow
+from monarch_plugin.data.sampler import shard_bounds
+from monarch_plugin.data.stream import StreamWindow
 
 __all__ = ["ElasticDataLoader"]
 

@@ -18,7 +18,7 @@ from monarch_plugin.config import spell_fields
 from monarch_plugin.controller import ElasticController, RunResult
 from monarch_plugin.errors import ElasticRunAborted, RunStopped
 from monarch_plugin.integrations.torchtitan.config import elastic_config, flag
-from monarch_plugin.report import run_summary
+from monarch_plugin.tools.report import run_summary
 from monarch_plugin.target import Target
 
 if TYPE_CHECKING:

@@ -65,7 +65,7 @@ def _pass_on(name: str) -> bool:
 def serve(address: str | None, hosts_file: str | None = None, token_file: str | None = None) -> int:
     """Run the agent on `address` until it is killed; 2 after saying why on stderr if it cannot listen there, or
     cannot read its token. None: in a SLURM job, the node's own (`procs.slurm`)."""
-    from monarch_plugin.admission import host_line, read_token
+    from monarch_plugin.procs.admission import host_line, read_token
 
     try:
         if address is None:
@@ -104,6 +104,6 @@ def serve(address: str | None, hosts_file: str | None = None, token_file: str | 
 
 
 if __name__ == "__main__":
-    from monarch_plugin.cli import plugin_command
+    from monarch_plugin.tools.cli import plugin_command
 
     plugin_command()  # `python -m monarch_plugin.procs.agent host ...`, as `monarch-plugin host ...`

@@ -31,17 +31,17 @@ from typing import Any
 import torch
 
 from monarch_plugin.procs import forkserver, notice, slurm
-from monarch_plugin.admission import check_hosts_file, read_hosts_file, read_token
+from monarch_plugin.procs.admission import check_hosts_file, read_hosts_file, read_token
 from monarch_plugin.backend import accelerator_kind
 from monarch_plugin.config import ElasticConfig, parse_host
-from monarch_plugin.doctor import HostCheck, clock_offset, findings, format_table, report, unreached
+from monarch_plugin.tools.doctor import HostCheck, clock_offset, findings, format_table, report, unreached
 from monarch_plugin.procs.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog, logger
 from monarch_plugin.procs.pidwatch import PidWatch
-from monarch_plugin.protocol import Died, HostLost, HostUp, Key, watcher_names
+from monarch_plugin.wire.protocol import Died, HostLost, HostUp, Key, watcher_names
 from monarch_plugin.procs.lease import BEAT_S, lease_s
-from monarch_plugin.signing import Forged
+from monarch_plugin.wire.signing import Forged
 
 __all__ = ["Host", "Hosts"]
 

@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 
-from monarch_plugin.protocol import Key
-from monarch_plugin.signing import Forged, SignedStore
+from monarch_plugin.wire.protocol import Key
+from monarch_plugin.wire.signing import Forged, SignedStore
 
 __all__ = ["BEAT_S", "Lease", "lease_s"]
 

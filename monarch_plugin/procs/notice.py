@@ -89,8 +89,8 @@ def _tell(name: str) -> bool:
         return True
     import torch.distributed as dist
 
-    from monarch_plugin.protocol import Drain, Key
-    from monarch_plugin.signing import SignedStore, secret_from_env
+    from monarch_plugin.wire.protocol import Drain, Key
+    from monarch_plugin.wire.signing import SignedStore, secret_from_env
 
     drain = Drain(replica=int(os.environ["MONARCH_PLUGIN_REPLICA_ID"]), lane=int(os.environ.get("LOCAL_RANK", 0)),
                   signal=name, pid=os.getpid())

@@ -114,7 +114,7 @@ class Agents:
 
     def prepare(self) -> None:
         """The run's directory (0700), its token (0600, made once) and an empty hosts file only this user writes."""
-        from monarch_plugin.admission import make_token
+        from monarch_plugin.procs.admission import make_token
 
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         make_token(self.token_file)

@@ -23,12 +23,12 @@ import time
 
 from monarch.actor import Actor, endpoint
 
-from monarch_plugin.doctor import report
+from monarch_plugin.tools.doctor import report
 from monarch_plugin.procs import notice
 from monarch_plugin.procs.pidwatch import PidWatch
-from monarch_plugin.protocol import Drain, Key
+from monarch_plugin.wire.protocol import Drain, Key
 from monarch_plugin.procs.lease import Lease
-from monarch_plugin.signing import SignedStore
+from monarch_plugin.wire.signing import SignedStore
 
 __all__ = ["HostWatcher", "Probe", "loopback_port"]
 

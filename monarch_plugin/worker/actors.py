@@ -16,13 +16,13 @@ import traceback
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from monarch_plugin.handshake import ProtocolError
-from monarch_plugin.protocol import START_METHOD_ENV, Key, Outcome, Raised
+from monarch_plugin.wire.handshake import ProtocolError
+from monarch_plugin.wire.protocol import START_METHOD_ENV, Key, Outcome, Raised
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context
 from monarch_plugin.procs.lease import Lease
 from monarch_plugin.procs.stores import serve
-from monarch_plugin.signing import SECRET_ENV
+from monarch_plugin.wire.signing import SECRET_ENV
 
 __all__ = ["ReplicaActor", "ControlActor"]
 

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from monarch_plugin.checkpoint import prune, step_path
+from monarch_plugin.storage.checkpoint import prune, step_path
 from monarch_plugin.worker.dtensors import is_dtensor
 
 __all__ = ["CheckpointWriter", "detached_copy"]

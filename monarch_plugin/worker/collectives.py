@@ -20,9 +20,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from monarch_plugin.handshake import (CollectiveFailed, CollectiveInterrupted, CollectiveTimedOut,
+from monarch_plugin.wire.handshake import (CollectiveFailed, CollectiveInterrupted, CollectiveTimedOut,
                                       GenerationChanged, barrier)
-from monarch_plugin.signing import SignedStore
+from monarch_plugin.wire.signing import SignedStore
 from monarch_plugin.worker.context import Flags
 
 __all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "wait_all",

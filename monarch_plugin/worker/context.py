@@ -21,8 +21,8 @@ import torch.distributed as dist
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.events import EventLog
 from monarch_plugin.faults import parse_faults
-from monarch_plugin.protocol import Phase
-from monarch_plugin.signing import SignedStore, forged_reporter, secret_from_env
+from monarch_plugin.wire.protocol import Phase
+from monarch_plugin.wire.signing import SignedStore, forged_reporter, secret_from_env
 
 __all__ = ["WorkerContext", "current", "flags"]
 

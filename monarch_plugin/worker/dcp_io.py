@@ -23,8 +23,8 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from monarch_plugin.checkpoint import is_url, write_digests
-from monarch_plugin.filemodes import make_dirs
+from monarch_plugin.storage.checkpoint import is_url, write_digests
+from monarch_plugin.storage.filemodes import make_dirs
 
 __all__ = ["CheckpointException", "describe", "load", "read_metadata", "save"]
 """`CheckpointException`: DCP's error on every proc when one failed to write or read (a BaseException)."""

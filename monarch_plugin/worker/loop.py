@@ -23,9 +23,9 @@ from typing import Iterator
 
 import torch
 
-from monarch_plugin.checkpoint import complete, damage, newest, step_path
+from monarch_plugin.storage.checkpoint import complete, damage, newest, step_path
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.sampler import ElasticSampler, share, weight
+from monarch_plugin.data.sampler import ElasticSampler, share, weight
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
 from monarch_plugin.worker.session import StopReplica

@@ -28,8 +28,8 @@ import contextlib
 
 import torch
 
-from monarch_plugin.protocol import Phase
-from monarch_plugin.handshake import CollectiveInterrupted
+from monarch_plugin.wire.protocol import Phase
+from monarch_plugin.wire.handshake import CollectiveInterrupted
 from monarch_plugin.worker.collectives import wait_all
 from monarch_plugin.worker.context import Flags
 from monarch_plugin.worker.dtensors import local_part

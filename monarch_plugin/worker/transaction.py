@@ -35,8 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from monarch_plugin.protocol import Action, Phase
-from monarch_plugin.handshake import CollectiveInterrupted, ProtocolError
+from monarch_plugin.wire.protocol import Action, Phase
+from monarch_plugin.wire.handshake import CollectiveInterrupted, ProtocolError
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, WORKLOADS, alive
-from monarch_plugin.checkpoint import complete
+from monarch_plugin.storage.checkpoint import complete
 
 pytestmark = pytest.mark.timeout(240)
 

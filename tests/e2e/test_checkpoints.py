@@ -77,7 +77,7 @@ def test_a_second_run_on_the_same_checkpoint_directory_or_events_file_is_refused
     first.start("--replicas", "2", "--checkpoint-steps", str(EVERY), script=WORKLOADS / "logged_loop.py",
                 script_args=(*LOOP, "--out", str(first.out)))
     first.wait_for(lambda: first.events("run_start"), timeout=60, what="the first run's start")
-    cli = [sys.executable, "-m", "monarch_plugin.cli"]
+    cli = [sys.executable, "-m", "monarch_plugin.tools.cli"]
     script = [str(WORKLOADS / "logged_loop.py"), *LOOP, "--out", str(first.out)]
     second = subprocess.run([*cli, "--events", str(first.tmp / "second.jsonl"), "--checkpoint-dir", str(ckpt),
                              "--checkpoint-steps", "2", *script], capture_output=True, text=True, timeout=60)
@@ -114,7 +114,7 @@ def test_damaged_checkpoints_are_refused_by_name_and_passed_over_by_resume_auto(
             f.write(bytes([byte ^ 1]))
     os.truncate(_largest(before), _largest(before).stat().st_size - 100)
 
-    cli = [sys.executable, "-m", "monarch_plugin.cli", "--replicas", "2", "--checkpoint-dir", str(ckpt)]
+    cli = [sys.executable, "-m", "monarch_plugin.tools.cli", "--replicas", "2", "--checkpoint-dir", str(ckpt)]
     script = [str(WORKLOADS / "logged_loop.py"), *LOOP[:-1], "0.05", "--out", str(first.out)]
     named = subprocess.run([*cli, "--events", str(first.tmp / "named.jsonl"), "--resume", str(newest), *script],
                            capture_output=True, text=True, timeout=60)

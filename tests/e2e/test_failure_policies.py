@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import WORKLOADS, alive, parent
-from monarch_plugin.checkpoint import step_of
+from monarch_plugin.storage.checkpoint import step_of
 from monarch_plugin.worker.dcp_io import read_metadata
 
 pytestmark = pytest.mark.timeout(240)

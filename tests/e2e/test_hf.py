@@ -41,7 +41,7 @@ class HFRun(ElasticRun):
     def start_default_events(self, *launcher: str, script_args: tuple[str, ...] = ()) -> HFRun:
         """`start` without `--events`: monarch-run then writes its default, in its working directory."""
         self.events_path = self.tmp / "monarch_events.jsonl"
-        cmd = [sys.executable, "-m", "monarch_plugin.cli", "--checkpoint-dir", str(self.tmp / "ckpt"), *launcher,
+        cmd = [sys.executable, "-m", "monarch_plugin.tools.cli", "--checkpoint-dir", str(self.tmp / "ckpt"), *launcher,
                "--join-timeout", "120", str(WORKLOAD), "--out", str(self.out), *script_args]
         return self._popen(cmd)
 

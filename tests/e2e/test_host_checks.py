@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.timeout(300),
 
 def _doctor(*args: str) -> subprocess.CompletedProcess:
     """`monarch-plugin doctor ARGS`, run as the installed command is."""
-    command = "from monarch_plugin.cli import plugin_command; plugin_command()"
+    command = "from monarch_plugin.tools.cli import plugin_command; plugin_command()"
     return subprocess.run([sys.executable, "-c", command, "doctor", *args, "--timeout", "15"],
                           capture_output=True, text=True, timeout=120)
 

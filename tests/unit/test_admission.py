@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from monarch_plugin import ConfigError, ElasticConfig
-from monarch_plugin.admission import (admit, check_hosts_file, host_line, hosts_file_unsafe, make_token, read_token,
+from monarch_plugin.procs.admission import (admit, check_hosts_file, host_line, hosts_file_unsafe, make_token, read_token,
                                       sign)
 from monarch_plugin.events import read_events
 
@@ -158,7 +158,7 @@ def test_monarch_plugin_token_makes_the_token_once_and_the_agent_refuses_a_token
 
 
 def test_monarch_run_refuses_a_hosts_file_others_may_write_naming_its_flag_and_the_fix(tmp_path, monkeypatch, capsys):
-    from monarch_plugin.cli import main
+    from monarch_plugin.tools.cli import main
 
     (tmp_path / "x.py").write_text("print('never runs')\n")
     (tmp_path / "hosts").write_text(A + "\n")

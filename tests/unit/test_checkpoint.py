@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from monarch_plugin import ConfigError, ElasticConfig, ElasticLoop
-from monarch_plugin.checkpoint import DIGESTS, clean_stale, damage, newest, newest_written, prune, step_path
+from monarch_plugin.storage.checkpoint import DIGESTS, clean_stale, damage, newest, newest_written, prune, step_path
 from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
 from monarch_plugin.worker import dcp_io
 from monarch_plugin.worker.dcp_io import read_metadata, save

@@ -14,14 +14,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_monarch_run_refuses_a_nan_timeout_naming_its_flag(capsys):
-    from monarch_plugin.cli import main
+    from monarch_plugin.tools.cli import main
 
     assert main(["--collective-timeout", "nan", "x.py"]) == 2
     assert "--collective-timeout must be a finite number, got nan" in capsys.readouterr().err
 
 
 def test_monarch_run_takes_every_setting_with_its_docstring_and_default():
-    from monarch_plugin.cli import build_parser, config_from_args
+    from monarch_plugin.tools.cli import build_parser, config_from_args
 
     parser = build_parser()
     assert config_from_args(parser.parse_args(["x.py"])) == ElasticConfig()
@@ -51,7 +51,7 @@ def test_monarch_run_takes_every_setting_with_its_docstring_and_default():
     ],
 )
 def test_cli_rejects_bad_input_before_spawning(tmp_path, monkeypatch, capsys, args, message):
-    from monarch_plugin.cli import main
+    from monarch_plugin.tools.cli import main
 
     (tmp_path / "x.py").write_text("print('never runs')\n")
     monkeypatch.chdir(tmp_path)
@@ -66,6 +66,6 @@ def test_cli_rejects_bad_input_before_spawning(tmp_path, monkeypatch, capsys, ar
 
 def test_monarch_run_command_exits_2_naming_the_fix(tmp_path):
     """The installed entry point, as a user's shell runs it (the cases above call its `main` in this process)."""
-    result = subprocess.run([sys.executable, "-m", "monarch_plugin.cli", "--replicas", "2", "missing.py"],
+    result = subprocess.run([sys.executable, "-m", "monarch_plugin.tools.cli", "--replicas", "2", "missing.py"],
                             capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert result.returncode == 2 and "training script 'missing.py' not found" in result.stderr

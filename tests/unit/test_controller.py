@@ -159,9 +159,9 @@ def test_the_runtimes_own_failure_in_a_worker_is_never_taken_for_the_training_co
 
     def drive(run):
         run.quorum([0, 1, 2])
-        run.fleet.raise_in(1, step=5, kind="monarch_plugin.handshake.ProtocolError", runtime="join")
+        run.fleet.raise_in(1, step=5, kind="monarch_plugin.wire.handshake.ProtocolError", runtime="join")
         run.quorum([0, 2])
-        run.fleet.raise_in(2, step=5, kind="monarch_plugin.handshake.ProtocolError", runtime="join")
+        run.fleet.raise_in(2, step=5, kind="monarch_plugin.wire.handshake.ProtocolError", runtime="join")
         run.wait("both replacements", lambda: len([s for s in run.events("spawn") if not s["initial"]]) == 2)
 
     run.run(drive)
@@ -262,8 +262,8 @@ def _notice(run, rid: int, sig: str = "SIGTERM") -> None:
 
     import torch.distributed as dist
 
-    from monarch_plugin.protocol import Drain, Key
-    from monarch_plugin.signing import SECRET_ENV, SignedStore
+    from monarch_plugin.wire.protocol import Drain, Key
+    from monarch_plugin.wire.signing import SECRET_ENV, SignedStore
 
     port = run.events("run_start")[0]["store_port"]
     store = SignedStore(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_plugin.doctor import Finding, HostCheck, findings, format_table, ifname_allows, mixed_kinds
+from monarch_plugin.tools.doctor import Finding, HostCheck, findings, format_table, ifname_allows, mixed_kinds
 
 STORE = "10.0.0.1:40000"
 
@@ -87,6 +87,6 @@ def test_the_table_has_a_row_per_host_and_each_finding_below_it():
 
 
 def test_a_wildcard_store_host_is_refused_before_anything_listens():
-    from monarch_plugin.cli import plugin
+    from monarch_plugin.tools.cli import plugin
 
     assert plugin(["doctor", "--hosts", "tcp://127.0.0.1:1", "--store-host", "0.0.0.0"]) == 2

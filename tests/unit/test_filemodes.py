@@ -10,8 +10,8 @@ import pytest
 
 from monarch_plugin import ConfigError, ElasticConfig
 from monarch_plugin.events import EventLog
-from monarch_plugin.filemodes import make_dirs
-from monarch_plugin.runlock import hold
+from monarch_plugin.storage.filemodes import make_dirs
+from monarch_plugin.storage.runlock import hold
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +77,7 @@ def test_make_dirs_makes_each_missing_directory_private_and_leaves_existing_ones
 
 
 def test_a_checkpoint_file_written_whole_is_the_users_alone_unless_shared(tmp_path):
-    from monarch_plugin.checkpoint import save_file
+    from monarch_plugin.storage.checkpoint import save_file
 
     save_file({"step": 3}, str(tmp_path / "a.ckpt"))
     save_file({"step": 3}, str(tmp_path / "b.ckpt"), share=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from monarch_plugin import policies
+from monarch_plugin.controller import policies
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.protocol import Raised
+from monarch_plugin.wire.protocol import Raised
 
 pytestmark = pytest.mark.timeout(60)
 

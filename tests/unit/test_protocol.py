@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from monarch_plugin.protocol import (
+from monarch_plugin.wire.protocol import (
     WAITING_ON_PEERS,
     Action,
     Drain,

@@ -24,7 +24,7 @@ def pg():
 
 def _signed(store):
     """A store as the run's processes see it, signing with a test secret."""
-    from monarch_plugin.signing import SignedStore
+    from monarch_plugin.wire.signing import SignedStore
 
     return SignedStore(store, b"test secret")
 
@@ -118,7 +118,7 @@ def test_group_construction_is_abandoned_when_a_newer_generation_comes():
     import threading
     import time
 
-    from monarch_plugin.handshake import GenerationChanged
+    from monarch_plugin.wire.handshake import GenerationChanged
     from monarch_plugin.worker.collectives import new_group
 
     store = _signed(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
@@ -138,7 +138,7 @@ def test_a_barrier_blocks_on_its_decision_and_every_outcome_reaches_every_member
     import threading
     import time
 
-    from monarch_plugin.handshake import CollectiveTimedOut, GenerationChanged, barrier, supersede
+    from monarch_plugin.wire.handshake import CollectiveTimedOut, GenerationChanged, barrier, supersede
 
     store = _signed(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
 
@@ -295,8 +295,8 @@ def test_a_member_without_the_runs_secret_is_found_as_soon_as_the_group_is_built
     import threading
     import time
 
-    from monarch_plugin.handshake import CollectiveFailed
-    from monarch_plugin.signing import SignedStore
+    from monarch_plugin.wire.handshake import CollectiveFailed
+    from monarch_plugin.wire.signing import SignedStore
     from monarch_plugin.worker.collectives import _prove_members
 
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -335,7 +335,7 @@ def test_a_bucket_an_abandoned_reduction_may_still_write_is_never_reused(monkeyp
     import threading
     import time
 
-    from monarch_plugin.handshake import CollectiveInterrupted
+    from monarch_plugin.wire.handshake import CollectiveInterrupted
     from monarch_plugin.worker import reducer as reducer_module
 
     monkeypatch.setattr(reducer_module, "BUCKET_BYTES", 4 * 64)  # a bucket a parameter, about

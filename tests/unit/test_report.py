@@ -10,7 +10,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_recovery_report_says_why_a_replacement_never_trained():
-    from monarch_plugin.report import format_recovery, recoveries
+    from monarch_plugin.tools.report import format_recovery, recoveries
 
     events = [
         {"ts": 1.0, "event": "quorum", "gen": 0, "members": [0, 1]},
@@ -29,7 +29,7 @@ def test_recovery_report_says_why_a_replacement_never_trained():
 def test_recovery_report_of_a_restore_says_what_is_trained_again_never_no_step_lost():
     """The last holder (replica 0) dies serving replica 2's heal: the next generation restores step 10's checkpoint
     though the run had committed 14 steps."""
-    from monarch_plugin.report import format_recovery, format_summary, recoveries
+    from monarch_plugin.tools.report import format_recovery, format_summary, recoveries
 
     events = [
         {"ts": 1.0, "event": "quorum", "gen": 0, "members": [0, 1], "action": "train"},
@@ -53,7 +53,7 @@ def test_recovery_report_of_a_restore_says_what_is_trained_again_never_no_step_l
 
 
 def test_recovery_report_of_an_out_of_memory_says_the_survivors_waited_and_times_it_to_their_next_commit():
-    from monarch_plugin.report import format_recovery, recoveries
+    from monarch_plugin.tools.report import format_recovery, recoveries
 
     events = [
         {"ts": 1.0, "event": "quorum", "gen": 0, "members": [0, 1, 2], "action": "train"},
@@ -126,7 +126,7 @@ _WRITER_DEATH_REGROWN = """
 
 
 def test_recovery_report_of_a_writer_death_names_the_replacement_whether_or_not_it_joined():
-    from monarch_plugin.report import format_recovery, recoveries
+    from monarch_plugin.tools.report import format_recovery, recoveries
 
     [rec] = recoveries([json.loads(line) for line in _WRITER_DEATH.splitlines() if line])
     assert (rec.survivors, rec.dropped_steps, rec.replacement, rec.replacement_joined) == ([1], [3], 2, False)
@@ -143,7 +143,7 @@ def test_recovery_report_of_a_writer_death_names_the_replacement_whether_or_not_
 
 
 def test_a_drained_replica_gets_its_own_line_not_a_recovery():
-    from monarch_plugin.report import drains, recoveries
+    from monarch_plugin.tools.report import drains, recoveries
 
     events = [{"event": "notice", "ts": 1.0, "replica": 1, "signal": "SIGTERM", "pid": 7},
               {"event": "drain", "ts": 1.3, "replicas": [1], "gen": 1, "members": [0, 2], "signal": "SIGTERM"},

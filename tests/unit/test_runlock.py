@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from monarch_plugin import ConfigError, ElasticConfig
-from monarch_plugin.runlock import RunLock, hold
+from monarch_plugin.storage.runlock import RunLock, hold
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_a_second_run_is_refused_naming_the_first_and_a_dead_runs_lock_is_taken_over(tmp_path):
     path = str(tmp_path / ".lock")
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from monarch_plugin.runlock import RunLock\n"
+                               "from monarch_plugin.storage.runlock import RunLock\n"
                                f"RunLock({path!r}, 'x', 'checkpoint_dir'); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

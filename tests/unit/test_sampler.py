@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from monarch_plugin import ElasticSampler
-from monarch_plugin.sampler import shard_bounds, share, weight
+from monarch_plugin.data.sampler import shard_bounds, share, weight
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,7 +58,7 @@ def test_sampler_state_moves_the_cursor():
 
 
 def test_a_share_sampler_remembers_what_it_issued_and_knows_a_batch_in_hand_from_a_passed_one():
-    from monarch_plugin.sampler import ShareSampler
+    from monarch_plugin.data.sampler import ShareSampler
 
     sampler = ElasticSampler(12, shuffle=False)
     group = {"rank": 0, "world": 2}

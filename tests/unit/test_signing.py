@@ -14,8 +14,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from monarch_plugin.handshake import barrier, passed
-from monarch_plugin.signing import Forged, SignedStore, forged_reporter
+from monarch_plugin.wire.handshake import barrier, passed
+from monarch_plugin.wire.signing import Forged, SignedStore, forged_reporter
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,7 +158,7 @@ def test_a_hosts_forged_death_record_is_reported_and_no_death_is(stores, tmp_pat
     from monarch_plugin.config import ElasticConfig
     from monarch_plugin.events import EventLog
     from monarch_plugin.procs.hosts import Host, Hosts
-    from monarch_plugin.protocol import Died, Key
+    from monarch_plugin.wire.protocol import Died, Key
 
     store, stranger, _ = stores
     events = EventLog(str(tmp_path / "events.jsonl"), source="controller")
@@ -193,7 +193,7 @@ time.sleep(30)
 def test_a_lease_ends_its_proc_on_the_controllers_word_only(stores):
     """A proc on another host ends itself when the controller declares its host lost; a stranger's `lost` is not
     the controller's word, and the proc goes on."""
-    from monarch_plugin.protocol import Key
+    from monarch_plugin.wire.protocol import Key
 
     store, stranger, _ = stores
     secret = "the run's secret".encode().hex()

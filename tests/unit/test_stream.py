@@ -11,7 +11,7 @@ import pickle
 import pytest
 import torch
 
-from monarch_plugin.stream import StreamWindow, fingerprint
+from monarch_plugin.data.stream import StreamWindow, fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 

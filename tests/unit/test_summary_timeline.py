@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from monarch_plugin.cli import plugin as main
+from monarch_plugin.tools.cli import plugin as main
 from monarch_plugin.events import read_events
-from monarch_plugin.report import format_summary, goodput, recoveries
-from monarch_plugin.timeline import write_html, write_png
+from monarch_plugin.tools.report import format_summary, goodput, recoveries
+from monarch_plugin.tools.timeline import write_html, write_png
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -228,7 +228,7 @@ def test_the_timeline_without_matplotlib_names_the_fix(tmp_path, capsys, monkeyp
 
 
 def test_reading_events_loads_neither_torch_nor_monarch():
-    probe = (f"import sys; from monarch_plugin.cli import plugin as main; import monarch_plugin.timeline; "
+    probe = (f"import sys; from monarch_plugin.tools.cli import plugin as main; import monarch_plugin.tools.timeline; "
              f"assert main(['summary', {str(PLAIN)!r}]) == 0; "
              "loaded = [m for m in ('torch', 'monarch', 'matplotlib') if m in sys.modules]; "
              "assert not loaded, loaded")
@@ -267,7 +267,7 @@ _SPARE = [
 
 
 def test_a_hot_spare_hang_grow_host_loss_and_give_up_are_each_shown(tmp_path):
-    from monarch_plugin.timeline import picture
+    from monarch_plugin.tools.timeline import picture
 
     text = "\n".join(format_summary(_SPARE))
     row = text.splitlines()[2].split()

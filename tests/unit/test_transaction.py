@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from monarch_plugin.handshake import GenerationChanged, ProtocolError
+from monarch_plugin.wire.handshake import GenerationChanged, ProtocolError
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState, _runtime_part
 
 pytestmark = pytest.mark.timeout(60)

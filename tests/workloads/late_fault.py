@@ -11,7 +11,7 @@ import monarch.actor
 from monarch.actor import Actor, endpoint, this_host
 
 from monarch_plugin.controller import _FaultRouter
-from monarch_plugin.protocol import mesh_names
+from monarch_plugin.wire.protocol import mesh_names
 
 
 class Sleeper(Actor):

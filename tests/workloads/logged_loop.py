@@ -19,7 +19,7 @@ from _toy import toy_problem
 from torch import nn
 
 from monarch_plugin import ElasticLoop, weights_checksum, worker_context
-from monarch_plugin.checksum import state_checksum
+from monarch_plugin.storage.checksum import state_checksum
 
 p = argparse.ArgumentParser()
 p.add_argument("--samples", type=int, default=240)

@@ -43,7 +43,7 @@ import shutil
 import torch
 
 from monarch_plugin.errors import ConfigError
-from monarch_plugin.filemodes import file_mode
+from monarch_plugin.storage.filemodes import file_mode
 
 __all__ = ["DIGESTS", "checkpoints", "clean_stale", "complete", "damage", "is_url", "newest", "newest_written", "prune",
            "save_file", "step_of", "step_path", "write_digests"]

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
 
-from monarch_plugin.protocol import Key
+from monarch_plugin.wire.protocol import Key
 
 if TYPE_CHECKING:
-    from monarch_plugin.signing import SignedStore
+    from monarch_plugin.wire.signing import SignedStore
 
 __all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "ProtocolError",
            "barrier", "passed", "supersede", "FORMATION_BOUND_S"]

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2
-    from monarch_plugin.runlock import hold
+    from monarch_plugin.storage.runlock import hold
 
     try:
         held = hold(config)  # a second run on this run's files is refused before anything is spawned
@@ -126,7 +126,7 @@ def _run(config: ElasticConfig, target, held: list) -> int:
     except ElasticRunAborted as e:  # a give-up, or the training code's own bug (`ReplicaCodeError`)
         print(f"monarch-run: {_spelled(e)}", file=sys.stderr)
         return 1
-    from monarch_plugin.report import run_summary
+    from monarch_plugin.tools.report import run_summary
 
     for line in run_summary(result):
         print(f"monarch-run: {line}")
@@ -150,7 +150,7 @@ def _events(command: str, path: str) -> list[dict] | None:
 
 
 def _summary(ns: argparse.Namespace) -> int:
-    from monarch_plugin.report import format_summary
+    from monarch_plugin.tools.report import format_summary
 
     events = _events("summary", ns.events)
     if events is None:
@@ -161,7 +161,7 @@ def _summary(ns: argparse.Namespace) -> int:
 
 
 def _timeline(ns: argparse.Namespace) -> int:
-    from monarch_plugin.timeline import write_html, write_png
+    from monarch_plugin.tools.timeline import write_html, write_png
 
     events = _events("timeline", ns.events)
     if events is None:
@@ -237,7 +237,7 @@ def plugin(argv: list[str] | None = None) -> int:
     if ns.command == "token":
         return _token(ns.path)
     if ns.command == "doctor":
-        from monarch_plugin.doctor import main as doctor
+        from monarch_plugin.tools.doctor import main as doctor
 
         return doctor(ns)
     from monarch_plugin.procs.agent import serve
@@ -247,7 +247,7 @@ def plugin(argv: list[str] | None = None) -> int:
 
 def _token(path: str) -> int:
     """`monarch-plugin token PATH`: the job's token, made once."""
-    from monarch_plugin.admission import make_token, new_token
+    from monarch_plugin.procs.admission import make_token, new_token
 
     if path == "-":
         print(new_token())

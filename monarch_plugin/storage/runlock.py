@@ -22,7 +22,7 @@ import time
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError
-from monarch_plugin.filemodes import file_mode, make_dirs
+from monarch_plugin.storage.filemodes import file_mode, make_dirs
 
 __all__ = ["RunLock", "hold", "holds_checkpoints", "unwritable"]
 

@@ -25,20 +25,20 @@ from functools import partial
 from typing import Any, Callable, Iterator, NoReturn
 
 
-from monarch_plugin import policies
+from monarch_plugin.controller import policies
 from monarch_plugin.backend import resolve_backend
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.errors import ConfigError, ElasticRunAborted, ReplicaCodeError, RunStopped
 from monarch_plugin.events import EventLog, read_events
-from monarch_plugin.handshake import FORMATION_BOUND_S, passed, supersede
+from monarch_plugin.wire.handshake import FORMATION_BOUND_S, passed, supersede
 from monarch_plugin.procs import slurm
 from monarch_plugin.procs.apart import in_child
 from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.procs.stores import AGENT_STORE_ENV, serve
 from monarch_plugin.procs.notice import NOTICE_SIGNALS
-from monarch_plugin.runlock import RunLock, hold, holds_checkpoints
-from monarch_plugin.signing import SECRET_ENV, Forged, SignedStore, forged_reporter, new_secret
-from monarch_plugin.protocol import (
+from monarch_plugin.storage.runlock import RunLock, hold, holds_checkpoints
+from monarch_plugin.wire.signing import SECRET_ENV, Forged, SignedStore, forged_reporter, new_secret
+from monarch_plugin.wire.protocol import (
     START_METHOD_ENV,
     WAITING_ON_PEERS,
     Action,
@@ -62,7 +62,7 @@ from monarch_plugin.protocol import (
     unfit_members,
 )
 from monarch_plugin.target import Target
-from monarch_plugin.checkpoint import clean_stale, damage, newest, newest_written, step_of
+from monarch_plugin.storage.checkpoint import clean_stale, damage, newest, newest_written, step_of
 
 __all__ = ["ElasticController", "RunResult"]
 

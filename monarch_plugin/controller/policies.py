@@ -8,7 +8,7 @@ process, the store or the clock, so every policy is unit-tested as it is.
 from __future__ import annotations
 
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.protocol import Raised
+from monarch_plugin.wire.protocol import Raised
 
 __all__ = ["MAX_BACKOFF_S", "WAIT_WHY", "admit", "below_min", "crash_loop", "grown", "next_members", "oom_floor",
            "place", "respawn_delay", "respawn_refused", "respawn_wanted", "same_error", "short_of_floor", "state_lost"]

@@ -311,7 +311,7 @@ def format_table(checks: list[HostCheck]) -> list[str]:
 
 def _listed(ns) -> list[str]:
     """The addresses given by `--hosts` and `--hosts-file` (admitted as a run admits them)."""
-    from monarch_plugin.admission import check_hosts_file, read_hosts_file, read_token
+    from monarch_plugin.procs.admission import check_hosts_file, read_hosts_file, read_token
 
     addresses = [a for a in (ns.hosts or "").split(",") if a]
     if ns.hosts_file:

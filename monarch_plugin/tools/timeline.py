@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 
 from monarch_plugin.errors import MissingExtraError
-from monarch_plugin.report import (
+from monarch_plugin.tools.report import (
     Recovery,
     commits,
     format_summary,
