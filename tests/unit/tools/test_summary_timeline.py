@@ -24,7 +24,7 @@ from monarch_plugin.tools.timeline import write_html, write_png
 
 pytestmark = pytest.mark.timeout(60)
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent / "events"
 PLAIN = DATA / "plain_sigkill.jsonl"
 MULTIHOST = DATA / "hf_multihost_no_progress.jsonl"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
