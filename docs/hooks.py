@@ -54,7 +54,7 @@ SCANNED = ("monarch_plugin", "integrations")
 
 USER_FACING = frozenset(errors.__all__) | {
     "MisconfigurationException", "ValueError", "TypeError", "RuntimeError", "ImportError", "SystemExit",
-    "ProtocolError", "Forged",
+    "Forged",
 }
 """Exception types whose messages reach users: the product's own (`monarch_plugin.errors`), Lightning's
 configuration error, and the built-in types the product raises with a message that names the fix."""

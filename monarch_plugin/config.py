@@ -16,15 +16,15 @@ import inspect
 import math
 import os
 import re
-import socket
 import textwrap
 from dataclasses import dataclass, field
 from typing import Callable
 
 from monarch_plugin.errors import ConfigError
+from monarch_plugin.net import parse_host, route_address, wildcard
 
 __all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "LOOP_ONLY", "cli_flag", "field_default", "field_docs",
-           "front_end_fields", "given", "parse_host", "route_address", "spell_fields"]
+           "front_end_fields", "given", "in_slurm_allocation", "spell_fields"]
 
 BATCH_POLICIES = ("constant_global", "constant_local")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -293,7 +293,7 @@ class ElasticConfig:
                               "unset", "replicas_per_host")
         for address in self.hosts:
             parse_host(address)
-        if self.store_host is not None and _wildcard(self.store_host):
+        if self.store_host is not None and wildcard(self.store_host):
             raise ConfigError(f"`store_host` {self.store_host!r} is a wildcard address: the run's store (and, with "
                               "`hosts`, Monarch's transport) would listen on every interface; give this machine's own "
                               "IP on the network the hosts share, or leave it unset", "store_host")
@@ -335,41 +335,6 @@ _TYPES = {
 }
 """What each declared field type accepts, and how a message names it."""
 
-_HOST = re.compile(r"tcp://(?P<ip>[0-9.]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]+)")
-
-
-def parse_host(address: str) -> tuple[str, int]:
-    """(IP, port) of a host agent address `tcp://IP:PORT`; ConfigError naming the form otherwise."""
-    match = _HOST.fullmatch(address.strip())
-    if match is None or not 0 < int(match["port"]) < 65536:
-        raise ConfigError(
-            f"`hosts`: {address!r} is not a host agent address: write tcp://IP:PORT, the address the agent was "
-            "started with (`monarch-plugin host --address tcp://IP:PORT`)", "hosts"
-        )
-    ip = match["ip"].strip("[]")
-    if ip in ("0.0.0.0", "::"):
-        raise ConfigError(f"`hosts`: {address!r} is a wildcard address: give the host's own IP", "hosts")
-    return ip, int(match["port"])
-
-
-def _wildcard(address: str) -> bool:
-    """Whether `address` (an IP, or a name) means every interface of the machine."""
-    import ipaddress
-
-    text = address.strip().strip("[]")
-    if text in ("", "*"):
-        return True
-    try:
-        ip = ipaddress.ip_address(text)
-    except ValueError:
-        try:  # the short forms C's resolver takes too: "0", "0.0"
-            return socket.inet_aton(text) == bytes(4)
-        except OSError:
-            return False  # a host name: it resolves to an address of its own
-    mapped = getattr(ip, "ipv4_mapped", None)
-    return ip.is_unspecified or bool(mapped and mapped.is_unspecified)
-
-
 def in_slurm_allocation(environ) -> bool:
     """Started by the batch script (or `salloc` shell) of a SLURM allocation of two or more nodes, not inside one of
     its steps (`srun` sets ``SLURM_STEP_ID``: under it, every task would be a controller of its own)."""
@@ -378,19 +343,6 @@ def in_slurm_allocation(environ) -> bool:
     except ValueError:
         return False
     return bool(environ.get("SLURM_JOB_ID")) and "SLURM_STEP_ID" not in environ and nodes > 1
-
-
-def route_address(host: str) -> str:
-    """This machine's address on the interface that routes to the host agent `host` (no packet is sent)."""
-    ip, port = parse_host(host)
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((ip, port))
-        except OSError as e:
-            raise ConfigError(f"`hosts`: no route from this machine to {host} ({e}): set `store_host` to this "
-                              "machine's address on the network the hosts share", "store_host") from e
-        return s.getsockname()[0]
 
 
 def cli_flag(name: str) -> str:

@@ -7,7 +7,8 @@ and from a bug in the training code (re-raised with the worker's traceback).
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "MissingExtraError", "ReplicaCodeError", "RunStopped"]
+__all__ = ["ConfigError", "BackendUnavailableError", "ElasticRunAborted", "MissingExtraError", "ProtocolError",
+           "ReplicaCodeError", "RunStopped"]
 
 
 class ConfigError(ValueError):
@@ -71,3 +72,15 @@ class RunStopped(ElasticRunAborted, SystemExit):
 
     def __reduce__(self):
         return type(self), (self.args[0], self.checkpoint, self.signal)
+
+
+class ProtocolError(RuntimeError):
+    """The runtime's own part of a worker failed, not the training code: a bound it waited out, a store it could not
+    reach, a protocol invariant broken. The controller replaces the replica, as after a death, and says which part:
+    `phase` is "join" (entering a generation), "heal", "reduce" (the step's cross-replica reduction), "vote"
+    (among a replica's procs) or "barrier" (leaving together at the end)."""
+
+    def __init__(self, phase: str, message: str):
+        super().__init__(f"monarch-plugin's {phase}: {message}")
+        self.phase = phase
+        self.detail = message

@@ -100,7 +100,7 @@ class NetnsHosts:
         self.ports[i] = port
         log = open(self.tmp / f"agent{i}-{port}.log", "w")
         token = ["--token-file", str(self.token_file)] if self.token_file else []
-        agent = [sys.executable, "-m", "monarch_plugin.procs.agent", "host", "--address", f"tcp://{self.ip(i)}:{port}",
+        agent = [sys.executable, "-m", "monarch_plugin", "host", "--address", f"tcp://{self.ip(i)}:{port}",
                  "--hosts-file", str(self.hosts_file), *token]
         if hide is not None:
             agent = ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *agent]

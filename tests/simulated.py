@@ -220,7 +220,7 @@ class Fleet:
     def raise_in(self, rid: int, step: int, kind: str = "builtins.RuntimeError", oom: bool = False,
                  runtime: str = "") -> None:
         """The replica's training code raises `kind` at `step` (its proc lives on, as a real one does); `runtime`: the
-        runtime's own part of the worker failed there instead (`handshake.ProtocolError`)."""
+        runtime's own part of the worker failed there instead (`errors.ProtocolError`)."""
         name = kind.rsplit(".")[-1]
         self.send(rid, "raise", {"step": step, "kind": kind, "error": f"{name}: simulated", "oom": oom,
                                  "runtime": runtime, "traceback": f"Traceback (simulated)\n{name}: simulated in {rid}"})

@@ -26,7 +26,7 @@ import re
 import secrets
 import stat
 
-from monarch_plugin.config import parse_host
+from monarch_plugin.net import parse_host
 from monarch_plugin.errors import ConfigError
 
 __all__ = ["MAC_PREFIX", "admit", "check_hosts_file", "host_line", "hosts_file_unsafe", "make_token", "new_token",

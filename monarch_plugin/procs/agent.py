@@ -25,7 +25,7 @@ import signal
 import socket
 import sys
 
-from monarch_plugin.config import parse_host
+from monarch_plugin.net import parse_host
 from monarch_plugin.errors import ConfigError
 
 __all__ = ["serve"]
@@ -102,8 +102,3 @@ def serve(address: str | None, hosts_file: str | None = None, token_file: str | 
     serving.get()
     return 0
 
-
-if __name__ == "__main__":
-    from monarch_plugin.tools.cli import plugin_command
-
-    plugin_command()  # `python -m monarch_plugin.procs.agent host ...`, as `monarch-plugin host ...`

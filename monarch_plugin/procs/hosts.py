@@ -33,8 +33,9 @@ import torch
 from monarch_plugin.procs import forkserver, notice, slurm
 from monarch_plugin.procs.admission import check_hosts_file, read_hosts_file, read_token
 from monarch_plugin.backend import accelerator_kind
-from monarch_plugin.config import ElasticConfig, parse_host
-from monarch_plugin.tools.doctor import HostCheck, clock_offset, findings, format_table, report, unreached
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.net import parse_host
+from monarch_plugin.procs.hostfacts import HostCheck, clock_offset, findings, format_table, report, unreached
 from monarch_plugin.procs.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog, logger
@@ -121,7 +122,7 @@ class Hosts:
         self._forkserver_serves: bool | None = None  # whether it started this run's first procs (None: none yet)
         self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
-        self._here: dict | None = None  # this machine's `doctor.report`, what each host's is checked against
+        self._here: dict | None = None  # this machine's `hostfacts.report`, what each host's is checked against
         self._token: bytes | None = None  # the job's token: a hosts-file line is attached only if it carries its HMAC
         self._refused: set[tuple[str, str]] = set()  # (line, why) of each refusal reported: reported once
         if config.hosts_file:  # refused now, before anything is spawned, if others may write it (`admission`)

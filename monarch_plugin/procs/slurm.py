@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from monarch_plugin.config import ElasticConfig, route_address
+from monarch_plugin.config import ElasticConfig
+from monarch_plugin.net import route_address
 from monarch_plugin.errors import ConfigError, RunStopped
 from monarch_plugin.events import EventLog
 
@@ -129,7 +130,7 @@ class Agents:
                 self.steps[node] = subprocess.Popen(
                     ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--whole",
                      "--kill-on-bad-exit=0", f"--job-name=monarch-agent-{node}",
-                     sys.executable, "-m", "monarch_plugin.procs.agent", "host",
+                     sys.executable, "-m", "monarch_plugin", "host",
                      "--address", self.allocation.agent(node), "--hosts-file", self.hosts_file,
                      "--token-file", self.token_file],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

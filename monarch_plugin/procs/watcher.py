@@ -23,7 +23,7 @@ import time
 
 from monarch.actor import Actor, endpoint
 
-from monarch_plugin.tools.doctor import report
+from monarch_plugin.procs.hostfacts import report
 from monarch_plugin.procs import notice
 from monarch_plugin.procs.pidwatch import PidWatch
 from monarch_plugin.wire.protocol import Drain, Key
@@ -78,7 +78,7 @@ def loopback_port() -> int:
 
 
 class Probe(Actor):
-    """A host's report on its machine (`doctor.report`) and its clock: the one actor `monarch-plugin doctor` spawns
+    """A host's report on its machine (`hostfacts.report`) and its clock: the one actor `monarch-plugin doctor` spawns
     on a host, and the base of the watcher a run spawns there, so both check a host the same way."""
 
     @endpoint

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch.distributed as dist
 
+from monarch_plugin.errors import ProtocolError
 from monarch_plugin.wire.protocol import Key
 
 if TYPE_CHECKING:
     from monarch_plugin.wire.signing import SignedStore
 
-__all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut", "ProtocolError",
+__all__ = ["CollectiveInterrupted", "GenerationChanged", "CollectiveFailed", "CollectiveTimedOut",
            "barrier", "passed", "supersede", "FORMATION_BOUND_S"]
 
 FORMATION_BOUND_S = 10.0
@@ -43,18 +44,6 @@ class CollectiveFailed(CollectiveInterrupted):
 
 class CollectiveTimedOut(CollectiveInterrupted):
     """No completion within collective_timeout_s: some peer stopped making progress."""
-
-
-class ProtocolError(RuntimeError):
-    """The runtime's own part of a worker failed, not the training code: a bound it waited out, a store it could not
-    reach, a protocol invariant broken. The controller replaces the replica, as after a death, and says which part:
-    `phase` is "join" (entering a generation), "heal", "reduce" (the step's cross-replica reduction), "vote"
-    (among a replica's procs) or "barrier" (leaving together at the end)."""
-
-    def __init__(self, phase: str, message: str):
-        super().__init__(f"monarch-plugin's {phase}: {message}")
-        self.phase = phase
-        self.detail = message
 
 
 _GO, _SUPERSEDED, _TIMED_OUT = b"go", b"superseded", b"timed out"

@@ -296,7 +296,7 @@ class Raised(_Appended):
     phase: str = ""
     """What the proc was doing (a `Phase`)."""
     runtime: str = ""
-    """The runtime's own part that failed (`handshake.ProtocolError`: join, heal, reduce, vote, barrier); empty when
+    """The runtime's own part that failed (`errors.ProtocolError`: join, heal, reduce, vote, barrier); empty when
     the training code raised."""
     oom: bool = False
     """It ran out of memory (`torch.OutOfMemoryError`, `MemoryError`)."""

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from monarch_plugin.wire.handshake import ProtocolError
+from monarch_plugin.errors import ProtocolError
 
 __all__ = ["Forged", "SECRET_ENV", "SignedStore", "forged_reporter", "new_secret", "secret_from_env"]
 

@@ -16,7 +16,7 @@ import traceback
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from monarch_plugin.wire.handshake import ProtocolError
+from monarch_plugin.errors import ProtocolError
 from monarch_plugin.wire.protocol import START_METHOD_ENV, Key, Outcome, Raised
 from monarch_plugin.target import Target
 from monarch_plugin.worker import context

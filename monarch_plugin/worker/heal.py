@@ -29,7 +29,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from monarch_plugin.wire.handshake import ProtocolError
+from monarch_plugin.errors import ProtocolError
 from monarch_plugin.worker.collectives import wait_all
 from monarch_plugin.worker.context import Flags
 from monarch_plugin.worker.dtensors import is_dtensor

@@ -27,8 +27,9 @@ import torch.distributed as dist
 
 from monarch_plugin.backend import device_for_backend, resolve_backend
 from monarch_plugin.wire.protocol import Action, Key, Phase, Plan, unfit_line
+from monarch_plugin.errors import ProtocolError
 from monarch_plugin.wire.handshake import (FORMATION_BOUND_S, CollectiveInterrupted, CollectiveTimedOut, GenerationChanged,
-                                      ProtocolError, barrier)
+                                           barrier)
 from monarch_plugin.worker.collectives import abandon, new_group, wait_all
 from monarch_plugin.wire.signing import Forged
 from monarch_plugin.worker.context import WorkerContext

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from monarch_plugin.wire.protocol import Action, Phase
-from monarch_plugin.wire.handshake import CollectiveInterrupted, ProtocolError
+from monarch_plugin.errors import ProtocolError
+from monarch_plugin.wire.handshake import CollectiveInterrupted
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer

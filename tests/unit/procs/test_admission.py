@@ -134,7 +134,7 @@ def test_the_hosts_file_as_read_mid_run_lists_only_the_admitted_lines_and_report
 
 
 def _plugin(*args: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "monarch_plugin.procs.agent", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "monarch_plugin", *args], capture_output=True, text=True,
                           timeout=60, cwd=cwd)
 
 

@@ -75,7 +75,7 @@ def test_a_skeleton_is_read_as_data_and_one_naming_other_code_is_refused_not_run
     import torch
     from torch.distributed.tensor import Replicate, Shard
 
-    from monarch_plugin.wire.handshake import ProtocolError
+    from monarch_plugin.errors import ProtocolError
     from monarch_plugin.worker.heal import _ShardSlot, _TensorSlot, _load_skeleton
     from monarch_plugin.worker.transaction import rng_state
 
@@ -116,7 +116,7 @@ def test_a_donor_whose_shards_are_not_this_replicas_is_refused_before_any_tensor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from monarch_plugin.wire.handshake import ProtocolError
+    from monarch_plugin.errors import ProtocolError
     from monarch_plugin.worker.heal import _join, _split, check_layout
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("fsdp", "tp"))

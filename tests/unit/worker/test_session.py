@@ -10,7 +10,7 @@ import types
 import pytest
 import torch.distributed as dist
 
-from monarch_plugin.wire.handshake import ProtocolError
+from monarch_plugin.errors import ProtocolError
 from monarch_plugin.wire.protocol import Key, Plan
 from monarch_plugin.worker import session as session_module
 from monarch_plugin.worker.session import ReplicaSession

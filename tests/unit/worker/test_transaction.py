@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from monarch_plugin.wire.handshake import GenerationChanged, ProtocolError
+from monarch_plugin.errors import ProtocolError
+from monarch_plugin.wire.handshake import GenerationChanged
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState, _runtime_part
 
 pytestmark = pytest.mark.timeout(60)
