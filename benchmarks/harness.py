@@ -1,5 +1,6 @@
 """What the benchmarks share: start a run, wait for it to reach a point, kill a worker from outside as a failure
-would, record the kill in the run's events (so its recoveries are read against it), and leave nothing behind.
+would, record the kill in the run's events (so its recoveries are read against it), and leave nothing behind;
+run variants interleaved, read step logs, take medians and deciles, and write the results JSON under `--out`.
 
     proc = subprocess.Popen(cmd, ...)
     try:
@@ -9,23 +10,46 @@ would, record the kill in the run's events (so its recoveries are read against i
         finished(proc, 300, "the elastic run", out)
     finally:
         reap(proc, spawned(events))
+
+Interleaving (A, B, A, B, ...) lets a slow spell of this shared machine hit every variant alike, so the ratios
+of one invocation share one machine state:
+
+    runs = interleave({"ddp": lambda i: ..., "elastic": lambda i: ...}, repeats=3)
+    write_json(args.out, "name", runs)
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import signal
+import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Iterable, TypeVar
 
 from monarch_plugin.events import EventLog, read_events
 
-__all__ = ["events", "finished", "kill", "reap", "spawned", "wait_for"]
+__all__ = ["BIN", "REPO", "RESULTS", "WORKLOADS", "add_out", "alternate", "alternate_table", "decile", "events",
+           "finished", "interleave", "intervals", "kill", "launch", "median", "reap", "spawned", "step_log",
+           "wait_for", "write_json"]
 
 T = TypeVar("T")
 
+REPO = Path(__file__).resolve().parent.parent
+"""The checkout: the benchmarks run from its root, `python -m benchmarks.<area>.<name>`."""
+RESULTS = REPO / "benchmarks" / "results"
+"""Where the results docs/benchmarks.md quotes are kept: every `--out`'s default."""
+WORKLOADS = REPO / "benchmarks" / "workloads"
+"""The training scripts the benchmarks launch by path (`monarch-run`, `torchrun`)."""
+BIN = Path(sys.executable).parent
+"""This interpreter's scripts: `monarch-run` and `torchrun` of the same environment."""
+
+
+# -- launch and wait ----------------------------------------------------------------------------------------------
 
 def events(path: Path | str) -> list[dict]:
     """The run's events so far; none before the controller wrote its first."""
@@ -81,3 +105,109 @@ def reap(proc: subprocess.Popen, pids: dict[int, list[int]] | list[int] = ()) ->
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def launch(command: list[str], run: Path, env: dict[str, str] | None = None) -> float:
+    """Run `command` to its end in the folder `run` (made here), its output in `run/run.log`; the seconds it took.
+    RuntimeError, pointing at the log, unless it ended well. `env` is added to this process's environment."""
+    run.mkdir(parents=True)
+    t0 = time.monotonic()
+    with open(run / "run.log", "w") as log:
+        rc = subprocess.call(command, cwd=run, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    if rc != 0:
+        raise RuntimeError(f"{command[0]} ... failed (rc {rc}); see {run / 'run.log'}")
+    return time.monotonic() - t0
+
+
+def interleave(variants: dict[str, Callable[[int], T]], repeats: int,
+               shown: Callable[[T], object] | None = lambda result: result) -> dict[str, list[T]]:
+    """Each variant's `run(repeat)`, `repeats` times, alternating (A, B, A, B, ...); each result printed as one JSON
+    line as it comes (`shown` picks what of it, None: nothing)."""
+    runs: dict[str, list[T]] = {name: [] for name in variants}
+    for repeat in range(repeats):
+        for name, run in variants.items():
+            runs[name].append(run(repeat))
+            if shown is not None:
+                print(json.dumps({name: shown(runs[name][-1])}), flush=True)
+    return runs
+
+
+# -- two launches of one job, compared by their step ---------------------------------------------------------------
+
+def alternate(commands: dict[str, list[str]], repeats: int, steps: int, work: Path,
+              env: dict[str, str] | None = None, warmup: int = 10) -> dict[str, dict]:
+    """Each side's command run `repeats` times, alternating, each in `work/<side>-<repeat>` (`launch`). Each run
+    writes one line per step, "<step> <seconds>", to `steps.txt` in its folder; a run's step time is the median
+    interval after `warmup` steps, a side's (`median_step_s`) the median over its runs."""
+    def run(side: str, repeat: int) -> dict:
+        folder = work / f"{side}-{repeat}"
+        wall = launch(commands[side], folder, env)
+        times = [t for _, t in step_log(folder / "steps.txt")]
+        if len(times) != steps:
+            raise RuntimeError(f"{folder / 'steps.txt'} has {len(times)} steps, expected {steps}")
+        return {"step_s": statistics.median(intervals(times, warmup)), "wall_s": wall}
+
+    runs = interleave({side: lambda repeat, side=side: run(side, repeat) for side in commands}, repeats)
+    return {side: {"step_s": [r["step_s"] for r in rs], "wall_s": [r["wall_s"] for r in rs],
+                   "median_step_s": statistics.median(r["step_s"] for r in rs)} for side, rs in runs.items()}
+
+
+def alternate_table(results: dict, labels: dict[str, str], header: str) -> str:
+    """Add the ratio of the second side to the first to `alternate`'s `results`; the markdown table of both.
+    `labels` maps each side (baseline first) to its row label; `header` names the job in the first cell."""
+    (baseline, _), (elastic, _) = labels.items()
+    results["ratio"] = results[elastic]["median_step_s"] / results[baseline]["median_step_s"]
+
+    def row(side: str) -> str:
+        each = ", ".join(f"{x * 1000:.0f}" for x in results[side]["step_s"])
+        walls = ", ".join(f"{x:.1f}" for x in results[side]["wall_s"])
+        return f"| {labels[side]} | {results[side]['median_step_s'] * 1000:.0f} ms | {each} | {walls} |"
+
+    return "\n".join([
+        f"| {header} | median step | per run (ms) | whole launch per run (s) |",
+        "|---|---|---|---|",
+        row(baseline),
+        row(elastic),
+        f"| ratio {elastic} / {baseline} | {results['ratio']:.2f} | | |",
+    ])
+
+
+# -- step logs and statistics -------------------------------------------------------------------------------------
+
+def step_log(path: Path) -> list[tuple[int, float]]:
+    """A worker's step log, one "<step> <unix time>" line per step; empty before it wrote one."""
+    if not path.exists():
+        return []
+    return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
+
+
+def intervals(times: Iterable[float], skip: int = 0) -> list[float]:
+    """The gaps between consecutive `times`, the first `skip` times (a warm-up) left out."""
+    kept = list(times)[skip:]
+    return [b - a for a, b in zip(kept, kept[1:])]
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that were measured (not None); None if none was."""
+    measured = [v for v in values if v is not None]
+    return statistics.median(measured) if measured else None
+
+
+def decile(values: list[float]) -> float:
+    """The 10th percentile: on a machine shared with other work, the steadier estimate of an unhindered pace."""
+    return statistics.quantiles(values, n=10)[0]
+
+
+# -- results ------------------------------------------------------------------------------------------------------
+
+def add_out(parser: argparse.ArgumentParser, default: Path = RESULTS) -> None:
+    """The `--out` folder a benchmark writes its results JSON to: benchmarks/results unless told."""
+    parser.add_argument("--out", type=Path, default=default, help="folder for the results JSON")
+
+
+def write_json(out: Path | str, name: str, results: object) -> Path:
+    """`results` as `<out>/<name>.json` (the folder made if need be); its path."""
+    path = Path(out) / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    return path
