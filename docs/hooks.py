@@ -65,7 +65,7 @@ INTERNAL = {
     "CollectiveTimedOut": "a reduction ran past `collective_timeout_s`; reported to the controller as a hang",
     "CollectiveInterrupted": "the base of the three above",
     "StopReplica": "the controller stopped this replica (give-up, or not in the newest generation)",
-    "_EndedFirst": "a stop found training already ended; the controller's loop ends the run as finished",
+    "EndedFirst": "a stop found training already ended; the controller's loop ends the run as finished",
     "InjectedFault": "the opt-in `raise` fault: an exception in the training code, which the run survives as any",
     "OutOfMemoryError": "the opt-in `oom` fault: a device out of memory, as torch raises it",
     "DataloaderExhaustedError": "torchtitan's end-of-data signal, which its own loop handles",

@@ -10,7 +10,7 @@ import time
 import monarch.actor
 from monarch.actor import Actor, endpoint, this_host
 
-from monarch_plugin.controller import _FaultRouter
+from monarch_plugin.controller.faults import FaultRouter
 from monarch_plugin.wire.protocol import mesh_names
 
 
@@ -26,7 +26,7 @@ class Sleeper(Actor):
 
 outer: list[str] = []
 monarch.actor.unhandled_fault_hook = lambda failure: outer.append(failure.mesh_name.split("-")[0])
-_FaultRouter.installed()  # as a controller's run leaves it: no controller active
+FaultRouter.installed()  # as a controller's run leaves it: no controller active
 
 
 def kill_in_flight(proc_mesh_name: str, actor_name: str) -> None:
