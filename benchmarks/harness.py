@@ -34,8 +34,8 @@ from typing import Callable, Iterable, TypeVar
 from monarch_plugin.events import EventLog, read_events
 
 __all__ = ["BIN", "REPO", "RESULTS", "WORKLOADS", "add_out", "alternate", "alternate_table", "decile", "events",
-           "finished", "interleave", "intervals", "kill", "launch", "median", "reap", "spawned", "step_log",
-           "wait_for", "write_json"]
+           "finished", "first_commits", "interleave", "intervals", "kill", "launch", "median", "progress", "reap",
+           "spawned", "step_log", "wait_for", "write_json"]
 
 T = TypeVar("T")
 
@@ -179,6 +179,23 @@ def step_log(path: Path) -> list[tuple[int, float]]:
     if not path.exists():
         return []
     return [(int(a), float(b)) for a, b in (line.split() for line in path.read_text().splitlines() if line)]
+
+
+def first_commits(folder: Path) -> dict[int, float]:
+    """Each step's first commit, by whichever worker's step log (`steps-*.txt` in `folder`) has it first."""
+    first: dict[int, float] = {}
+    for path in folder.glob("steps-*.txt"):
+        for step, ts in step_log(path):
+            first[step] = min(ts, first.get(step, ts))
+    return first
+
+
+def progress(folder: Path, ident: object) -> int:
+    """The last step a test workload (tests/workloads/) reported in `folder/progress-<ident>`; -1 before any."""
+    try:
+        return int((folder / f"progress-{ident}").read_text() or -1)
+    except (FileNotFoundError, ValueError):
+        return -1
 
 
 def intervals(times: Iterable[float], skip: int = 0) -> list[float]:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from benchmarks.harness import REPO, kill, reap, spawned, wait_for
+from benchmarks.harness import REPO, kill, progress, reap, spawned, wait_for
 
 WORKLOAD = REPO / "tests" / "workloads" / "hf_train.py"  # a script passed by path: the HF tests' own
 REPLICAS, BATCH, SAMPLES, EPOCHS, KILL_AFTER, STEP_SLEEP_S = 2, 4, 96, 3, 4, 0.5
@@ -75,14 +75,6 @@ def _results(out: Path) -> dict[str, dict]:
     return {p.stem.removeprefix("result-"): json.loads(p.read_text()) for p in out.glob("result-*.json")}
 
 
-def _progress(out: Path, ident: str) -> int:
-    path = out / f"progress-{ident}"
-    try:
-        return int(path.read_text() or -1)
-    except (FileNotFoundError, ValueError):
-        return -1
-
-
 def _script(out: Path, fields: dict, more: tuple[str, ...], replicas: int, batch: int, sleep: float = 0.0) -> list[str]:
     return [str(WORKLOAD), "--out", str(out), "--count", "--max-grad-norm", "0", "--replicas", str(replicas),
             "--batch", str(batch), "--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--logging-steps", "2",
@@ -110,12 +102,12 @@ def _elastic(root: Path, fields: dict, more: tuple[str, ...], steps: int, check)
     proc = subprocess.Popen(cmd, cwd=out, stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
         try:
-            wait_for(f"replica 1 committing step {KILL_AFTER}", lambda: _progress(out, "1") >= KILL_AFTER, proc, 900)
+            wait_for(f"replica 1 committing step {KILL_AFTER}", lambda: progress(out, "1") >= KILL_AFTER, proc, 900)
         except RuntimeError as e:
             text = (out / "run.log").read_text()
             refused = [line for line in text.splitlines() if "Error" in line or "refuse" in line]
             return f"refused? {e}: {refused[-1] if refused else 'see ' + str(out / 'run.log')}"
-        killed_at = _progress(out, "1")
+        killed_at = progress(out, "1")
         kill(spawned(events)[1][0], events, replica=1)
         if proc.wait(timeout=900) != 0:
             return f"FAILED: rc {proc.returncode}, see {out / 'run.log'}"

@@ -24,20 +24,13 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import REPO, add_out, finished, kill, median, reap, spawned, wait_for, write_json
+from benchmarks.harness import REPO, add_out, finished, kill, median, progress, reap, spawned, wait_for, write_json
 from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.tools.report import recoveries
 from tests import netns  # the namespace hosts the multi-host tests make
 
 WORKLOAD = REPO / "tests" / "workloads" / "held_loop.py"
 HOST_TIMEOUT_S = 5.0
-
-
-def _progress(out: Path, replica: int) -> int:
-    try:
-        return int((out / f"progress-{replica}").read_text() or -1)
-    except (FileNotFoundError, ValueError):
-        return -1
 
 
 def _start(work: Path, extra: list[str], epochs: int) -> tuple[subprocess.Popen, Path, Path]:
@@ -60,7 +53,7 @@ def _phases(events: list[dict]) -> list[dict]:
 def run_local(work: Path) -> list[dict]:
     proc, out, events = _start(work, [], epochs=25)
     try:
-        wait_for("three replicas training", lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180)
+        wait_for("three replicas training", lambda: all(progress(out, r) >= 5 for r in range(3)), proc, 180)
         for pid in spawned(events)[1]:
             kill(pid, events, replica=1)
         finished(proc, 300, "the local run", work)
@@ -77,7 +70,7 @@ def run_remote(work: Path) -> list[dict]:
         proc, out, events = _start(work, ["--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip,
                                           "--replicas-per-host", "1", "--host-timeout", str(HOST_TIMEOUT_S)],
                                    epochs=60)
-        wait_for("three replicas training", lambda: all(_progress(out, r) >= 5 for r in range(3)), proc, 180)
+        wait_for("three replicas training", lambda: all(progress(out, r) >= 5 for r in range(3)), proc, 180)
         on_host = {e["host"]: e for e in read_events(str(events)) if e["event"] == "spawn"}
         worker = on_host[net.address(2)]
         for pid in worker["pids"]:

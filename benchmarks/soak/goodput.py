@@ -45,8 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import (BIN, WORKLOADS, add_out, events, kill, median, reap, spawned, step_log, wait_for,
-                                write_json)
+from benchmarks.harness import (BIN, WORKLOADS, add_out, events, first_commits, kill, median, reap, spawned,
+                                step_log, wait_for, write_json)
 from benchmarks.soak.kill_storm import members
 from monarch_plugin.events import read_events
 
@@ -147,11 +147,7 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
         events = read_events(str(out / "events.jsonl"))
         result["steps_lost"] = len({(e["gen"], e["step"]) for e in events if e["event"] == "dropped_step"})
         result["deaths"] = len([e for e in events if e["event"] == "death"])
-        committed: dict[int, float] = {}  # each step's first commit, by any replica
-        for series in lines.values():
-            for s, t in series:
-                committed[s] = min(t, committed.get(s, t))
-        progress = sorted(committed.items())
+        progress = sorted(first_commits(out).items())
     else:
         rounds = sorted((int(name.split("-")[2]), series) for name, series in lines.items()
                         if name.split("-")[1] == "0")  # rank 0 of each round: steps-<rank>-<round>

@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.harness import BIN, WORKLOADS, add_out, kill, reap, spawned, step_log, wait_for, write_json
+from benchmarks.harness import BIN, WORKLOADS, add_out, first_commits, kill, reap, spawned, wait_for, write_json
 from monarch_plugin.events import read_events
 
 WORKLOAD = WORKLOADS / "mlp.py"
@@ -33,10 +33,7 @@ WARMUP_STEPS = 30  # committed before the first kill; their rate is the run's fa
 
 def _commits(out: Path) -> list[float]:
     """The time each global step was first committed by any replica, in step order."""
-    first: dict[int, float] = {}
-    for path in out.glob("steps-*.txt"):
-        for step, ts in step_log(path):
-            first[step] = min(ts, first.get(step, float("inf")))
+    first = first_commits(out)
     return [first[s] for s in sorted(first)]
 
 
