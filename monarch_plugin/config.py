@@ -17,6 +17,7 @@ import math
 import os
 import re
 import textwrap
+import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,7 +25,7 @@ from monarch_plugin.errors import ConfigError
 from monarch_plugin.net import parse_host, route_address, wildcard
 
 __all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "LOOP_ONLY", "cli_flag", "field_default", "field_docs",
-           "front_end_fields", "given", "in_slurm_allocation", "spell_fields"]
+           "front_end_fields", "front_end_settings", "given", "in_slurm_allocation", "spell_fields"]
 
 BATCH_POLICIES = ("constant_global", "constant_local")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -373,6 +374,20 @@ def front_end_fields(owned: tuple[str, ...] = ()) -> list[dataclasses.Field]:
     torchtitan's `--monarch.*` section): every field but those its framework's own arguments set (`owned`) and
     `LOOP_ONLY`. Each keeps the field's name, type, default and docstring."""
     return [f for f in dataclasses.fields(ElasticConfig) if f.name not in owned and f.name not in LOOP_ONLY]
+
+
+def front_end_settings(owned: tuple[str, ...], notes: dict[str, str], spell: Callable[[str], str] | None = None,
+                       ) -> list[tuple[dataclasses.Field, object, str]]:
+    """`front_end_fields(owned)` as a front end shows them (a Lightning strategy's signature and docstring,
+    torchtitan's `--monarch.*` help): each field with its type and its help, which is the front end's note where its
+    framework fills the setting in (`notes`), else the field's docstring with the fields it names in the front end's
+    spelling (`spell`, as `spell_fields` takes it; as they are without one)."""
+    hints, docs = typing.get_type_hints(ElasticConfig), field_docs()
+    settings = []
+    for f in front_end_fields(owned):
+        text = docs[f.name].replace("``", "`")
+        settings.append((f, hints[f.name], notes.get(f.name) or (spell_fields(text, spell) if spell else text)))
+    return settings
 
 
 def given(config: ElasticConfig) -> dict[str, object]:

@@ -24,7 +24,7 @@ logger = logging.get_logger(__name__)
 
 class ElasticStream(StreamWindow):
     """The stream in HF's steps: `micro_batches` global micro-batches of `micro_batch_size` samples; its passes are
-    HF's epochs. Global micro-batch `j` of the step in flight is `samples(positions(j))`."""
+    HF's epochs. Global micro-batch `j` of the step in flight is `samples(positions(micro_batch_size)[j])`."""
 
     def __init__(self, dataset, micro_batch_size: int, micro_batches: int):
         super().__init__(dataset, micro_batch_size * micro_batches)
@@ -49,8 +49,3 @@ class ElasticStream(StreamWindow):
                 f"of {self.step_samples} to train every sample"
             )
         return True
-
-    def positions(self, j: int) -> list[int]:
-        """Positions of global micro-batch `j` of the step in flight."""
-        start = self.cursor + j * self.micro_batch_size
-        return list(range(start, start + self.micro_batch_size))

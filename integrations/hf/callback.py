@@ -42,9 +42,10 @@ from transformers.utils import logging
 from monarch_plugin.config import LOOP_ONLY, cli_flag, field_default
 from monarch_plugin.integrations.hf import _trainer_hooks
 from monarch_plugin.integrations.hf._stream import ElasticStream
-from monarch_plugin.data.sampler import ElasticSampler, ShareSampler, forget_before, reloader, share, weight
+from monarch_plugin.data.sampler import ElasticSampler, ShareSampler, forget_before, reloader
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
+from monarch_plugin.worker.window import StepWindow, short_tail
 
 __all__ = ["MonarchElasticCallback"]
 
@@ -91,6 +92,8 @@ class MonarchElasticCallback(TrainerCallback):
         """Committed steps; `state.global_step` catches up right after each commit."""
         self._micro_batches = 0
         """Micro-batches in the step in flight (fewer than `gradient_accumulation_steps` at an epoch's end)."""
+        self._window = StepWindow(self._window_batches, lambda: (self._tx.rank, self._tx.world))
+        """The step in flight's micro-batches, cut over the live replicas."""
         self._armed = False
         self._no_sync: contextlib.AbstractContextManager | None = None
         self._substeps = 0
@@ -178,8 +181,8 @@ class MonarchElasticCallback(TrainerCallback):
                 "Trainer a map-style train_dataset (with __len__ and __getitem__) or a torch IterableDataset"
             )
         n = len(dataset)
-        tail = n % self._micro_batch_size
-        if tail and not args.dataloader_drop_last and tail < config.max_replicas:
+        tail = short_tail(n, self._micro_batch_size, config.max_replicas, args.dataloader_drop_last)
+        if tail:
             raise ValueError(
                 f"per_device_train_batch_size={args.per_device_train_batch_size} x {config.replicas} replica(s) is a "
                 f"global batch of {self._micro_batch_size}; over {n} samples each epoch ends with a batch of {tail}, "
@@ -191,7 +194,7 @@ class MonarchElasticCallback(TrainerCallback):
                                        drop_last=args.dataloader_drop_last)
         self._dataset, self._collate = dataset, loader.collate_fn
         # From the epoch's first micro-batch, as any batch sampler: HF's resume path skips those already trained.
-        batches = ShareSampler(self._sampler, self._micro_batch_size, self._cut, from_start=True)
+        batches = ShareSampler(self._sampler, self._micro_batch_size, self._window.cut, from_start=True)
         self._issued = batches.issued
         return reloader(loader, batches)
 
@@ -317,12 +320,12 @@ class MonarchElasticCallback(TrainerCallback):
             self._micro_batches = min(self._accumulate, remaining)
         self._substeps = 0
         # DataLoader workers cut shares ahead of time; a share cut for an older generation is recomputed at commit.
-        self._armed = all(self._issued.get(self._key(j)) == self._share(j) for j in range(self._micro_batches))
+        self._armed = all(self._issued.get(self._key(j)) == self._window.share(j) for j in range(self._micro_batches))
         if self._armed:
             self._arm()
 
     def _arm(self) -> None:
-        self._tx.arm(weight(self._window(), self._tx.rank, self._tx.world))
+        self._tx.arm(self._window.weight())
         if self._micro_batches > 1:
             self._no_sync = self._tx.reducer.no_sync()
             self._no_sync.__enter__()
@@ -383,7 +386,7 @@ class MonarchElasticCallback(TrainerCallback):
         trainer = self._trainer
         trainer.model.zero_grad(set_to_none=True)
         self._tx.begin(self._step)
-        batches = [self._collate(self._samples(self._share(j))) for j in range(self._micro_batches)]
+        batches = [self._collate(self._samples(self._window.share(j))) for j in range(self._micro_batches)]
         batches, num_items = trainer.get_batch_samples(iter(batches), len(batches), trainer.args.device)
         self._arm()
         for batch in batches[:-1]:
@@ -396,20 +399,14 @@ class MonarchElasticCallback(TrainerCallback):
     def _key(self, j: int) -> tuple[int, int]:
         return self._data.epoch, self._data.cursor + j * self._micro_batch_size
 
-    def _window(self) -> list[list[int]]:
+    def _window_batches(self) -> list[list[int]]:
         """The global micro-batches of the step in flight: dataset indices, or a stream's positions in its pass."""
         if self._stream is not None:  # whole steps: the stream's loader cuts ahead, before `on_step_begin`
-            return [self._stream.positions(j) for j in range(self._stream.micro_batches)]
+            return self._stream.positions(self._micro_batch_size)
         return self._sampler.window(self._micro_batch_size, self._micro_batches)
 
     def _samples(self, ids: list[int]) -> list:
         return self._stream.samples(ids) if self._stream is not None else [self._dataset[i] for i in ids]
-
-    def _cut(self, batch: list[int]) -> list[int]:
-        return share(batch, self._tx.rank, self._tx.world)
-
-    def _share(self, j: int) -> list[int]:
-        return self._cut(self._window()[j])
 
     # -- between steps ----------------------------------------------------------------------------------------
 
@@ -480,7 +477,7 @@ class _StreamShares(IterableDataset):
             if j == stream.micro_batches:
                 raise RuntimeError("the Trainer asked for a micro-batch beyond gradient_accumulation_steps before "
                                    "the step committed")
-            share = owner._share(j)
+            share = owner._window.share(j)
             owner._issued[owner._key(j)] = share
             j += 1
             yield stream.samples(share)
@@ -507,18 +504,9 @@ class _HealState(TrainingState):
 
     def __init__(self, owner: MonarchElasticCallback):
         trainer = owner._trainer  # its optimizer and scheduler are read when served: HF builds them in `train()`
-        super().__init__(lambda: owner._tx.device, modules=lambda: [trainer.model],
+        super().__init__(owner, "_step", lambda: owner._tx.device, modules=lambda: [trainer.model],
                          optimizers=lambda: [trainer.optimizer],
                          schedulers=lambda: [s for s in [trainer.lr_scheduler] if s is not None])
-        self.owner = owner
-
-    @property
-    def step(self) -> int:
-        return self.owner._step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.owner._step = value
 
     def catching_up(self) -> bool:
         return self.owner._in_step

@@ -23,7 +23,6 @@ import inspect
 import io
 import os
 import textwrap
-import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -42,8 +41,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from monarch_plugin.storage.checksum import state_checksum
-from monarch_plugin.config import (LOOP_ONLY, ElasticConfig, field_default, field_docs, front_end_fields, given,
-                                   in_slurm_allocation)
+from monarch_plugin.config import (LOOP_ONLY, ElasticConfig, field_default, front_end_fields, front_end_settings,
+                                   given, in_slurm_allocation)
 from monarch_plugin.controller import ElasticController
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.integrations.lightning._lightning_hooks import Launcher, check_version
@@ -108,22 +107,19 @@ def take_settings(strategy: str, elastic: Optional[ElasticConfig], kwargs: dict)
 def signature() -> inspect.Signature:
     """`MonarchStrategy(...)`'s signature as `help()` and editors show it: `elastic`, then one keyword argument
     per setting, with the field's type and default."""
-    hints = typing.get_type_hints(ElasticConfig)
     params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
               inspect.Parameter("elastic", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
                                 annotation=Optional[ElasticConfig])]
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=field_default(f),
-                                 annotation=hints[f.name]) for f in front_end_fields(tuple(FROM_TRAINER))]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=field_default(f), annotation=kind)
+               for f, kind, _ in front_end_settings(tuple(FROM_TRAINER), _NOTES)]
     return inspect.Signature([*params, inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
 def arguments_doc() -> str:
     """The "Args:" section of the strategies' docstrings, from `ElasticConfig`'s field docstrings."""
-    docs = field_docs()
     lines = ["", "", "    Args:", "        elastic: every setting below at once, as an `ElasticConfig` (its `replicas` "
              "and", "            `procs_per_replica` must agree with the Trainer's); keyword arguments override it."]
-    for f in front_end_fields(tuple(FROM_TRAINER)):
-        text = _NOTES.get(f.name) or docs[f.name].replace("``", "`")
+    for f, _, text in front_end_settings(tuple(FROM_TRAINER), _NOTES):
         lines += textwrap.wrap(f"{f.name}: {text}", 116, initial_indent=" " * 8, subsequent_indent=" " * 12,
                                break_on_hyphens=False)
     return "\n".join(lines) + "\n"

@@ -45,9 +45,10 @@ import monarch_plugin.integrations.lightning._lightning_hooks as _hooks
 from monarch_plugin.integrations.lightning.checkpoint_io import AtomicCheckpointIO
 from monarch_plugin.integrations.lightning.launcher import arguments_doc, check_training_loader, signature
 from monarch_plugin.integrations.lightning.launcher import take_settings
-from monarch_plugin.data.sampler import ElasticSampler, ShareSampler, reloader, share, weight
+from monarch_plugin.data.sampler import ElasticSampler, ShareSampler, reloader
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
+from monarch_plugin.worker.window import StepWindow, short_tail
 
 __all__ = ["MonarchStrategy"]
 
@@ -83,6 +84,8 @@ class MonarchStrategy(ParallelStrategy):
         """The training DataLoader as the LightningModule gave it, which `_batches` re-cuts."""
         self._micro_batch_size = 0
         """Samples in one global micro-batch: the DataLoader's batch_size x every proc of the starting replicas."""
+        self._window: Optional[StepWindow] = None
+        """The step in flight's micro-batches, cut over the live replicas and this replica's data-parallel procs."""
         self._micro = 0
         """Index in its window of the micro-batch `training_step` runs next, which between micro-batches and while
         a step is being reduced is the number of the window's micro-batches Lightning counts as completed."""
@@ -214,13 +217,11 @@ class MonarchStrategy(ParallelStrategy):
             return dataloader
         check_training_loader(dataloader)
         config = self._ctx.config
-        _, k = self._data_parallel()
+        lane, k = self._data_parallel()
         self._micro_batch_size = dataloader.batch_size * config.replicas * k
         n = len(dataloader.dataset)
-        tail = n % self._micro_batch_size
         procs = config.max_replicas * k
-        short_tail = tail and not dataloader.drop_last and tail < procs
-        if self._micro_batch_size < procs or short_tail:
+        if self._micro_batch_size < procs or short_tail(n, self._micro_batch_size, procs, dataloader.drop_last):
             raise MisconfigurationException(
                 f"a global batch of {self._micro_batch_size} (batch_size {dataloader.batch_size} x "
                 f"{config.replicas * k} data-parallel devices) over {n} samples leaves some of up to {procs} "
@@ -234,7 +235,9 @@ class MonarchStrategy(ParallelStrategy):
             if self._pending_sampler_state is not None:
                 self._sampler.load_state_dict(self._pending_sampler_state)
                 self._pending_sampler_state = None
-        self._batches, self._loader = ShareSampler(self._sampler, self._micro_batch_size, self._cut), dataloader
+        self._window = StepWindow(self._window_batches, lambda: (self._tx.rank, self._tx.world),
+                                  lane=lane, lanes=k)
+        self._batches, self._loader = ShareSampler(self._sampler, self._micro_batch_size, self._window.cut), dataloader
         return reloader(dataloader, self._batches, _ElasticDataLoader, self)
 
     @property
@@ -243,7 +246,7 @@ class MonarchStrategy(ParallelStrategy):
         (GradientAccumulationScheduler, StochasticWeightAveraging), and Lightning steps by the value of the day."""
         return self.lightning_module.trainer.accumulate_grad_batches
 
-    def _window(self) -> list[list[int]]:
+    def _window_batches(self) -> list[list[int]]:
         """The global micro-batches of the step at the cursor, grouped as Lightning's epoch loop groups batches.
 
         Lightning steps after the epoch's batch `b` when `(b + 1) % accumulate_grad_batches == 0` or when `b` is
@@ -258,14 +261,6 @@ class MonarchStrategy(ParallelStrategy):
         """This proc's rank among its replica's procs that read samples of their own, and their number: every proc
         here (`MonarchFSDPStrategy` with tensor parallelism: one per TP group)."""
         return self._ctx.local_rank, self._ctx.procs_per_replica
-
-    def _cut(self, batch: list[int]) -> list[int]:
-        """This proc's samples of a global micro-batch: its replica's share, split over the replica's
-        data-parallel procs."""
-        return share(share(batch, self._tx.rank, self._tx.world), *self._data_parallel())
-
-    def _share(self, micro: int) -> list[int]:
-        return self._cut(self._window()[micro])
 
     # -- the step transaction ------------------------------------------------------------------------------
 
@@ -297,8 +292,8 @@ class MonarchStrategy(ParallelStrategy):
         readers = self._data_parallel()[1] if self._tx is not None else 1
         if self._sampler is not None and readers > 1:
             micro = self._micro - 1  # training_step has moved on to the next micro-batch
-            replica_share = share(self._window()[micro], self._tx.rank, self._tx.world)
-            closure_loss = closure_loss * (readers * len(self._share(micro)) / len(replica_share))
+            window = self._window
+            closure_loss = closure_loss * (readers * len(window.share(micro)) / len(window.replica_share(micro)))
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
@@ -324,7 +319,7 @@ class MonarchStrategy(ParallelStrategy):
 
     def _batch_for(self, batch: Any, micro: int) -> Any:
         """`batch`, if it is this proc's share of micro-batch `micro` for the live group; else that share, loaded."""
-        wanted = self._share(micro)
+        wanted = self._window.share(micro)
         if self._batches.in_hand(micro) == wanted:
             return batch
         loader = self._loader
@@ -354,7 +349,7 @@ class MonarchStrategy(ParallelStrategy):
             nonlocal loss
             if redo or self._window_gen != self._tx.gen:  # its earlier micro-batches were cut for another group
                 self._redo_window(optimizer, closure, last)
-            self._tx.arm(weight(self._window(), self._tx.rank, self._tx.world))  # backward reduces as it goes
+            self._tx.arm(self._window.weight())  # backward reduces as it goes
             loss = closure()
             self._micro = last  # Lightning completes that micro-batch only after the step: it stays in flight
             return []
@@ -364,7 +359,7 @@ class MonarchStrategy(ParallelStrategy):
         if handed_over:  # a peer committed this step while ours was dropped: the heal handed us its result
             self._micro, self._window_gen = 0, None
             return loss
-        micro_batches = len(self._window())
+        micro_batches = len(self._window.batches())
         output = super().optimizer_step(optimizer, lambda: loss, model, **kwargs)
         self._sampler.advance(self._micro_batch_size, micro_batches)
         self._batches.forget()
@@ -454,23 +449,14 @@ class _HealState(TrainingState):
 
     def __init__(self, strategy: MonarchStrategy):
         configs = lambda: strategy.lightning_module.trainer.lr_scheduler_configs  # noqa: E731
-        super().__init__(lambda: strategy._tx.device, modules=lambda: [strategy.lightning_module],
+        super().__init__(strategy, "_step", lambda: strategy._tx.device, modules=lambda: [strategy.lightning_module],
                          optimizers=lambda: strategy.optimizers, schedulers=lambda: [c.scheduler for c in configs()])
-        self.strategy = strategy
-
-    @property
-    def step(self) -> int:
-        return self.strategy._step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.strategy._step = value
 
     def catching_up(self) -> bool:
-        return self.strategy._fit_loop_started
+        return self.owner._fit_loop_started
 
     def extra_state(self) -> dict:
-        s = self.strategy
+        s = self.owner
         trainer = s.lightning_module.trainer
         return {
             "sampler": s._sampler.state_dict() if s._sampler is not None else None,
@@ -480,7 +466,7 @@ class _HealState(TrainingState):
         }
 
     def load_extra(self, state: dict, whole: bool) -> None:
-        s = self.strategy
+        s = self.owner
         trainer = s.lightning_module.trainer
         if whole:
             if state["fit_loop"] is not None:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import typing
 from dataclasses import field
 from typing import TYPE_CHECKING, Annotated
 
 import tyro
 
-from monarch_plugin.config import ElasticConfig, field_docs, front_end_fields, spell_fields
+from monarch_plugin.config import ElasticConfig, front_end_fields, front_end_settings, spell_fields
 from monarch_plugin.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,14 +57,11 @@ def flag(field: str) -> str:
 def _section() -> type:
     """The `monarch` section: `enable`, then the runtime's settings, each with its field's type, default and
     docstring (tyro shows it under `--help`), as torchft's `FaultTolerance` section feeds its manager."""
-    hints = typing.get_type_hints(ElasticConfig)
-    docs = field_docs()
     fields = [("enable", Annotated[bool, tyro.conf.arg(help=ENABLE)], field(default=False))]
-    for f in front_end_fields(tuple(OWNED)):
+    for f, kind, text in front_end_settings(tuple(OWNED), _NOTES, flag):
         default = field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else field(
             default=f.default)
-        text = _NOTES.get(f.name) or spell_fields(docs[f.name].replace("``", "`"), flag)
-        fields.append((f.name, Annotated[hints[f.name], tyro.conf.arg(help=text)], default))
+        fields.append((f.name, Annotated[kind, tyro.conf.arg(help=text)], default))
     section = dataclasses.make_dataclass("MonarchConfig", fields, kw_only=True, slots=True)
     section.__module__ = __name__  # where pickle and torchtitan's config tools find it
     return section

@@ -24,8 +24,8 @@ from torchtitan.components.dataloader import BaseDataLoader, DataloaderExhausted
 from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.config import Configurable
 
-from monarch_plugin.data.sampler import shard_bounds
 from monarch_plugin.data.stream import StreamWindow
+from monarch_plugin.worker.window import StepWindow
 
 __all__ = ["ElasticDataLoader"]
 
@@ -61,6 +61,10 @@ class ElasticDataLoader(BaseDataLoader):
         """The stream every proc reads whole; its cursor counts the global samples committed steps trained."""
         self._next = 0
         self._group = (0, 1)
+        self.window = StepWindow(lambda: self.stream.positions(config.micro_batch_size), lambda: self._group,
+                                 lane=dp_rank, lanes=dp_world_size)
+        """The step in flight's micro-batches as stream positions, cut for this proc: its replica's share, then its
+        data-parallel rank's (torchtitan's `dp_rank`, shared by the procs of a CP x TP group)."""
 
     # -- the step protocol ---------------------------------------------------------------------------------
 
@@ -76,43 +80,31 @@ class ElasticDataLoader(BaseDataLoader):
                     f"the step asked for micro-batch {self._next + 1} of {self.config.micro_batches}: call commit() "
                     "or regroup() between steps"
                 )
-            micro = self._micro_batch(self._next)
-            samples = self.share(self._next)
+            self._samples()  # read here: a stream with no whole step left ends the data
+            samples = self.stream.samples(self.window.share(self._next))
             self._next += 1
-            yield _collate([micro[i] for i in samples])
-
-    def share(self, micro: int) -> list[int]:
-        """Indices (within the global micro-batch) of this proc's samples: its replica's share, then its data-parallel
-        rank's (torchtitan's `dp_rank`, shared by the procs of a CP x TP group)."""
-        rank, world = self._group
-        start, end = shard_bounds(self.config.micro_batch_size, rank, world)
-        lo, hi = shard_bounds(end - start, self.dp_rank, self.dp_world_size)
-        return list(range(start + lo, start + hi))
+            yield _collate(samples)
 
     def positions(self) -> list[int]:
         """Stream positions of the samples this proc trains in the step in flight (for audits and tests)."""
-        size = self.config.micro_batch_size
-        return [self.stream.cursor + m * size + i for m in range(self.config.micro_batches) for i in self.share(m)]
+        return [p for m in range(self.config.micro_batches) for p in self.window.share(m)]
 
     def valid_tokens(self) -> int:
         """Label tokens that count towards the loss in the whole step, over every replica: each proc holds the
         global batch, so the loss is normalised by the global count without a collective."""
-        return int(sum((labels != IGNORE_INDEX).sum() for _, labels in self._window()))
+        return int(sum((labels != IGNORE_INDEX).sum() for _, labels in self._samples()))
 
     def commit(self) -> None:
         """The step in flight was trained by every live replica: move the cursor past its global batch."""
         self.stream.commit()
         self._next = 0
 
-    def _window(self) -> list[Batch]:
+    def _samples(self) -> list[Batch]:
+        """The step in flight's global batch, every replica's samples."""
         window = self.stream.window()
         if window is None:
             raise DataloaderExhaustedError()
         return window
-
-    def _micro_batch(self, j: int) -> list[Batch]:
-        size = self.config.micro_batch_size
-        return self._window()[j * size:(j + 1) * size]
 
     # -- state: as of the last committed step ----------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +46,16 @@ from monarch_plugin.integrations.torchtitan.config import (
     validate,
 )
 from monarch_plugin.integrations.torchtitan.data import ElasticDataLoader
+from monarch_plugin.storage.checkpoint import newest
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.dtensors import local_part
 from monarch_plugin.worker.transaction import StepTransaction, TrainingState
 
 
 __all__ = ["CommittedStep", "MonarchTrainer"]
+
+_STEP_FOLDER = re.compile(r"step-(?P<step>\d+)")
+"""How torchtitan's checkpointer names the checkpoint of step N in its folder."""
 
 
 @dataclass(frozen=True)
@@ -222,11 +227,7 @@ class MonarchTrainer(Trainer):
     def _newest_checkpoint(self) -> str | None:
         """The newest complete `step-N` in the checkpoint folder (one with DCP's `.metadata`), which
         `--checkpoint.enable` loads on the next start."""
-        folder = os.path.abspath(os.path.join(self.config.dump_folder, self.config.checkpoint.folder))
-        steps = [int(name[5:]) for name in (os.listdir(folder) if os.path.isdir(folder) else ())
-                 if name.startswith("step-") and name[5:].isdigit()
-                 and os.path.isfile(os.path.join(folder, name, ".metadata"))]
-        return os.path.join(folder, f"step-{max(steps)}") if steps else None
+        return newest(os.path.join(self.config.dump_folder, self.config.checkpoint.folder), name=_STEP_FOLDER)
 
     # -- torchtitan's train_state (checkpoints) --------------------------------------------------------------
 
@@ -249,28 +250,19 @@ class _HealState(TrainingState):
     """
 
     def __init__(self, trainer: MonarchTrainer):
-        super().__init__(lambda: trainer.device, modules=lambda: trainer.model_parts,
+        super().__init__(trainer, "_committed", lambda: trainer.device, modules=lambda: trainer.model_parts,
                          optimizers=lambda: trainer.optimizers.optimizers, schedulers=lambda: [trainer.lr_schedulers])
-        self.trainer = trainer
-
-    @property
-    def step(self) -> int:
-        return self.trainer._committed
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.trainer._committed = value
-        if not self.trainer._in_step:
-            self.trainer.step = value
 
     def extra_state(self) -> dict:
-        t = self.trainer
+        t = self.owner
         return {"ntokens_seen": t.ntokens_seen, "data": t.dataloader.state_dict()}
 
     def load_extra(self, state: dict, whole: bool) -> None:
-        t = self.trainer
+        t = self.owner
         t.dataloader.load_state_dict(state["data"])
         t.ntokens_seen = state["ntokens_seen"]
+        if not t._in_step:  # between steps, torchtitan's own step counter is the committed steps too
+            t.step = state["step"]
 
 
 class _OneWriter:

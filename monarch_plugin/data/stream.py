@@ -111,6 +111,11 @@ class StreamWindow:
         window = self.window()
         return [window[p - self.cursor] for p in positions]
 
+    def positions(self, size: int) -> list[list[int]]:
+        """The step in flight's samples as positions of the pass, in global micro-batches of `size` (a
+        `StepWindow`'s window: `samples` reads each share)."""
+        return [list(range(p, p + size)) for p in range(self.cursor, self.cursor + self.step_samples, size)]
+
     def commit(self) -> None:
         """The step in flight committed on every live replica: move the cursor past its samples."""
         self.cursor += self.step_samples

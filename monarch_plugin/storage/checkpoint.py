@@ -119,16 +119,18 @@ def complete(path: str) -> bool:
     return _fs(path).isfile(metadata) if is_url(path) else os.path.isfile(metadata)
 
 
-def checkpoints(directory: str) -> list[tuple[int, str]]:
-    """(step, path) of every checkpoint directory in `directory`, complete or not, oldest first."""
-    found = [(int(m["step"]), _join(directory, m[0])) for m in map(_NAME.fullmatch, _names(directory)) if m]
+def checkpoints(directory: str, name: re.Pattern = _NAME) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint directory in `directory`, complete or not, oldest first: those named as
+    `name` matches, with the step as its group `step` (this runtime's `step<N>`, or a framework's own)."""
+    found = [(int(m["step"]), _join(directory, m[0])) for m in map(name.fullmatch, _names(directory)) if m]
     return sorted(p for p in found if _is_dir(p[1]))
 
 
-def newest(directory: str, skipped=None) -> str | None:
-    """The newest complete checkpoint in `directory` whose files are as they were written (`damage`); None if there is
-    none. Each newer one passed over for its damage is told to `skipped(path, why)`."""
-    return _newest_intact([path for _, path in checkpoints(directory)], skipped)
+def newest(directory: str, skipped=None, name: re.Pattern = _NAME) -> str | None:
+    """The newest complete checkpoint in `directory` (named as `name` matches: `checkpoints`) whose files are as they
+    were written (`damage`); None if there is none. Each newer one passed over for its damage is told to
+    `skipped(path, why)`."""
+    return _newest_intact([path for _, path in checkpoints(directory, name)], skipped)
 
 
 def _open(path: str, mode: str):

@@ -25,11 +25,12 @@ import torch
 
 from monarch_plugin.storage.checkpoint import complete, damage, newest, step_path
 from monarch_plugin.config import ElasticConfig
-from monarch_plugin.data.sampler import ElasticSampler, share, weight
+from monarch_plugin.data.sampler import ElasticSampler
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
+from monarch_plugin.worker.window import StepWindow
 
 __all__ = ["ElasticLoop", "Step"]
 
@@ -60,7 +61,8 @@ class Step:
         """Reduce gradients over the live replicas and, only if every one succeeded, step the optimizer.
 
         Keyword metrics (numbers or tensors) are summed across the replicas inside the same transaction,
-        so they count exactly the committed step (available as `step.metrics`). Returns False when the step was dropped; the loop then retries it.
+        so they count exactly the committed step (available as `step.metrics`). Returns False when the step was
+        dropped; the loop then retries it.
         """
         if self.committed is not None:
             raise RuntimeError(f"step {self.number} was already committed: call step.commit() once per step")
@@ -122,6 +124,9 @@ class ElasticLoop:
         self._base_lrs = [g["lr"] for g in optimizer.param_groups]
         config = self.config
         self._lanes, self._lane = (self.ctx.procs_per_replica, self.ctx.local_rank) if self.ctx else (1, 0)
+        self._window = StepWindow(lambda: self.sampler.window(self._step_batch_size()),
+                                  lambda: (self.rank, self.num_replicas), lane=self._lane, lanes=self._lanes, flat=True)
+        """The step's one global batch, cut over every proc of the live replicas."""
         self._trainer = threading.current_thread()
         self._group = None  # `_checkpoint_group`
         self._checkpoints = (
@@ -184,16 +189,13 @@ class ElasticLoop:
                 break
             if tx:
                 tx.begin(self.step)
-            batch = self.sampler.window(self._step_batch_size())[0]
-            lanes = self.ctx.procs_per_replica if self.ctx else 1
-            lane = self.ctx.local_rank if self.ctx else 0
             step = Step(
-                number=self.step, epoch=self.sampler.epoch,
-                indices=share(batch, self.rank * lanes + lane, self.num_replicas * lanes),
+                number=self.step, epoch=self.sampler.epoch, indices=self._window.share(0),
                 rank=self.rank, num_replicas=self.num_replicas,
                 generation=tx.gen if tx else 0, _loop=self,
             )
-            step.weight = self._weight(batch, lanes)
+            step.weight = (self._window.weight() if self.config.batch_policy == "constant_global"
+                           else 1.0 / self.num_replicas)
             if tx:
                 tx.arm(step.weight)
             yield step
@@ -243,15 +245,6 @@ class ElasticLoop:
                     "disk? raise `checkpoint_steps`)"))
             return
         self._checkpoints.write(self.step, self.checkpoint_state(), self._checkpoint_group())
-
-    def _weight(self, batch: list[int], lanes: int) -> float:
-        """This replica's factor in the sum over replicas, so that the sum is the global-batch mean. The batch is
-        cut over every replica's lanes; the replica's weight is its lanes' together (inside a replica, FSDP/DDP
-        already average over procs)."""
-        if self.config.batch_policy != "constant_global":
-            return 1.0 / self.num_replicas
-        world = self.num_replicas * lanes
-        return sum(weight([batch], self.rank * lanes + lane, world) for lane in range(lanes))
 
     def _apply_lr_policy(self) -> None:
         if not self.config.scale_lr_with_replicas:

@@ -303,15 +303,24 @@ class TrainingState:
     exactly as the donor's already did; it takes the weights, the optimizer's state and the data cursor.
     """
 
-    def __init__(self, device: Callable[[], torch.device], *, modules: Callable[[], list[torch.nn.Module]],
-                 optimizers: Callable[[], list[torch.optim.Optimizer]], schedulers: Callable[[], list] = list):
-        """Each argument is read when the state is served or loaded, since frameworks build these objects after
+    def __init__(self, owner: object, counter: str, device: Callable[[], torch.device], *,
+                 modules: Callable[[], list[torch.nn.Module]], optimizers: Callable[[], list[torch.optim.Optimizer]],
+                 schedulers: Callable[[], list] = list):
+        """`owner` is the front end, and `counter` the name of its attribute that counts the committed steps (`step`).
+        The other arguments are read when the state is served or loaded, since frameworks build these objects after
         the front end (HF's optimizer and scheduler in `train()`): the proc's device, the modules, the optimizers,
         and the learning-rate schedulers if any (anything with `state_dict` and `load_state_dict`)."""
+        self.owner, self.counter = owner, counter
         self.device, self.modules, self.optimizers, self.schedulers = device, modules, optimizers, schedulers
 
-    step: int
-    """The committed steps (front ends define it as a property over their own counter)."""
+    @property
+    def step(self) -> int:
+        """The committed steps: the front end's own counter."""
+        return getattr(self.owner, self.counter)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        setattr(self.owner, self.counter, value)
 
     def sharded(self) -> dict:
         """The modules' state as held now: a heal checks a donor's shards against it and rebuilds them on its meshes."""

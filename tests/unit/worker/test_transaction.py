@@ -81,7 +81,7 @@ def test_a_first_attempt_computed_by_the_framework_is_reduced_before_anything_el
 
 class _State(TrainingState):
     def __init__(self, behind: bool):
-        super().__init__(lambda: torch.device("cpu"), modules=lambda: [self.model],
+        super().__init__(self, "committed", lambda: torch.device("cpu"), modules=lambda: [self.model],
                          optimizers=lambda: [self.optimizer])
         self.model = torch.nn.Linear(2, 2)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
