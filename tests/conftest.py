@@ -7,6 +7,7 @@ controller itself, by pid.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import json
 import os
@@ -30,6 +31,19 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "e2e" in item.path.parts:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_unconfigure(config):
+    """The session's last line names what was skipped and why (the SLURM, browser and firewall tests skip where their
+    Debian packages are missing; `.ci/run` installs them), so a green run on a fresh machine says what it left out."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    reasons = collections.Counter(report.longrepr[2].removeprefix("Skipped: ")
+                                  for report in reporter.stats.get("skipped", []) if isinstance(report.longrepr, tuple))
+    if reasons:
+        reporter.write_line(f"skipped {sum(reasons.values())}: " + "; ".join(
+            f"{count} because {reason}" for reason, count in reasons.most_common()))
 
 
 WILDCARDS = ("0.0.0.0", "*", "[::]", "::", "[::ffff:0.0.0.0]")
