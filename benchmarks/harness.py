@@ -115,7 +115,7 @@ def launch(command: list[str], run: Path, env: dict[str, str] | None = None) -> 
     with open(run / "run.log", "w") as log:
         rc = subprocess.call(command, cwd=run, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     if rc != 0:
-        raise RuntimeError(f"{command[0]} ... failed (rc {rc}); see {run / 'run.log'}")
+        raise RuntimeError(f"the run in {run} failed (rc {rc}); see {run / 'run.log'}")
     return time.monotonic() - t0
 
 
