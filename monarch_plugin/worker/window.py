@@ -3,11 +3,11 @@
 A step trains one window: its global micro-batches (one, or `gradient_accumulation_steps` of them), each a list of
 sample indices (an `ElasticSampler`'s window at the cursor) or of a stream's positions (`StreamWindow.positions`).
 Which micro-batches make the window is the front end's to say, since its framework groups them (Lightning ends a
-window where its epoch plan ends, HF where the data does); how they are cut is the runtime's, the same in
-`ElasticLoop` and every front end: contiguous shares, sizes differing by at most one, over the replicas live for
-that step, then over the replica's data-parallel procs. Each replica scales its gradients by its weight, its
-fraction of the window's samples, so that their sum over the live replicas is the mean over the global batch even
-when the shares differ in size.
+window where its epoch plan ends, HF where the data does); how they are cut is the runtime's, for `ElasticLoop` and
+every front end: contiguous shares, sizes differing by at most one, over the replicas live for that step, then over
+the replica's data-parallel procs (`ElasticLoop` cuts over all their procs at once). Each replica scales its
+gradients by its weight, its fraction of the window's samples, so that their sum over the live replicas is the mean
+over the global batch even when the shares differ in size.
 
 The live group is read at each use: a generation can change between two micro-batches of one window, and the
 step is then redone on the new group's shares of the same samples.
