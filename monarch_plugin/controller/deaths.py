@@ -33,7 +33,7 @@ from monarch_plugin.errors import ReplicaCodeError
 from monarch_plugin.wire.handshake import FORMATION_BOUND_S
 from monarch_plugin.wire.protocol import Action, Key, Probed, Raised, ReplicaState, unfit_members
 
-__all__ = ["admit_ready", "check_stalled", "check_starting", "check_wedged", "end", "on_death", "on_deaths",
+__all__ = ["admit_ready", "check_stalled", "check_starting", "check_wedged", "end", "on_deaths",
            "on_host_lost", "on_host_up", "on_probed", "read_raised", "respawn_due", "schedule_respawn"]
 
 logger = logging.getLogger("monarch_plugin")
@@ -86,10 +86,6 @@ def _stop_on_code_error(run, replica: Replica, raised: Raised) -> NoReturn:
 
 
 # -- deaths and hosts ----------------------------------------------------------------------------------------------
-
-
-def on_death(run, replica: Replica, how: str, why: str = "") -> None:
-    on_deaths(run, [replica], how, why)
 
 
 def on_host_lost(run, host: int, how: str) -> None:
@@ -227,6 +223,7 @@ def respawn_due(run) -> None:
 
 
 def ready_waiting(run) -> list[int]:
+    """The replicas ready to be admitted, in the order they became ready."""
     return [r.rid for r in run.replicas.values() if r.state == ReplicaState.WAITING]
 
 

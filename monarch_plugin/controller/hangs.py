@@ -20,7 +20,7 @@ collective, reaches it by pidfd or supervision within milliseconds of the surviv
 PROBE_TIMEOUT_S = 5.0
 """How long a probed control actor may take to say what its proc is doing; a frozen (SIGSTOPped) proc never does."""
 
-Answers = dict[int, "list[dict] | None"]
+Answers = dict[int, list[dict] | None]
 """Replica -> what each of its procs said it was doing (None: its control actor did not answer in time)."""
 
 

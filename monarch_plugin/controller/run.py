@@ -5,7 +5,8 @@ the reports (deaths, returns, probes, host changes from the queue; what raised a
 hands each to the module whose job it is, turns the checks of the supervision loop, and shuts everything down.
 It decides only when the run is over (every finisher returned, or the grace after a late stop passed); every
 other decision is its collaborators' (`spawning`, `deaths`, `drains`, `generations`, with `hangs`, `triage` and
-`policies` for the pure ones), which read and write the state below through the controller they are handed.
+`policies` for the pure ones), which read and write the state below through the controller they are handed, each
+the part its docstring names. It may not take one of their decisions itself: it records a return, and hands on the rest.
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ class ElasticController:
             case HostUp(host=host, returning=returning):
                 deaths.on_host_up(self, host, returning=returning)
             case Died(replica=rid, how=how) if rid in self.replicas:
-                deaths.on_death(self, self.replicas[rid], how)
+                deaths.on_deaths(self, [self.replicas[rid]], how)
             case Returned(replica=rid, outcomes=outcomes) if rid in self.replicas:
                 self._on_return(self.replicas[rid], outcomes)
 
