@@ -44,7 +44,7 @@ from monarch_plugin.wire.protocol import Died, HostLost, HostUp, Key, watcher_na
 from monarch_plugin.procs.lease import BEAT_S, lease_s
 from monarch_plugin.wire.signing import Forged
 
-__all__ = ["Host", "Hosts"]
+__all__ = ["Host", "Hosts", "heard", "slots", "watcher_stuck"]
 
 _CALL_S = 5.0
 """Bound on a call to a host's watcher: an unreachable host must not stall the controller."""
@@ -365,7 +365,7 @@ class Hosts:
             _stop(procs)
             return None
         host.mesh, host.watcher, host.watcher_procs, host.watcher_pid = mesh, watcher, procs, machine["pid"]
-        host.slots, host.gpus = self._slots(machine)
+        host.slots, host.gpus = slots(machine, self.config)
         host.heard_at = host.watcher_heard_at = time.monotonic()
         host.live = True
         host.returning = any(h.ip == host.ip and h.watcher is not None for h in self.hosts[:index])
@@ -374,15 +374,6 @@ class Hosts:
                          returning=host.returning, seconds=round(time.monotonic() - t0, 3),
                          **({"warnings": warnings} if warnings else {}))
         return host
-
-    def _slots(self, machine: dict) -> tuple[int, GpuPlan | None]:
-        """How many replicas the host holds, and its GPU plan, from what its watcher reports of it."""
-        k, cap = self.config.procs_per_replica, self.config.replicas_per_host
-        if machine["kind"] == "cpu":
-            return cap or self.config.max_replicas + self.config.spares, None
-        fits = machine["devices"] // k
-        slots = min(cap, fits) if cap else fits
-        return slots, plan_gpus(machine["kind"], machine["devices"], machine["environ"], slots, k) if slots else None
 
     def _watch_hosts(self) -> None:
         """Deaths and beats of every attached host, and new hosts from `hosts_file`. Over a store connection of its
@@ -414,17 +405,11 @@ class Hosts:
     def _poll(self, store, host: Host, now: float) -> None:
         """A host is lost when its beats stop, or when a death its watcher counted stays without its record (the
         watcher writes the record before counting it), for `host_timeout_s`: whichever way its link was cut."""
-        beats = store.add(Key.host_beat(host.index), 0)
-        if beats != host.beats:
-            host.beats, host.heard_at = beats, now
-        elif now - host.heard_at > self.config.host_timeout_s:
-            self.lose(host, f"no beat for {now - host.heard_at:.1f} s")
+        silent = heard(host, store.add(Key.host_beat(host.index), 0), now, self.config.host_timeout_s)
+        if silent:
+            self.lose(host, silent)
             return
-        watcher_beats = store.add(Key.watcher_beat(host.index), 0)
-        if watcher_beats != host.watcher_beats:
-            host.watcher_beats, host.watcher_heard_at = watcher_beats, now
-        elif (now - host.watcher_heard_at > _REWATCH_S and now - host.heard_at < _REWATCH_S / 2
-              and not host.rewatching):
+        if watcher_stuck(host, store.add(Key.watcher_beat(host.index), 0), now):
             host.rewatching = True
             threading.Thread(target=self._rewatch, args=(host, host.deaths_seen), name="monarch-plugin-rewatch",
                              daemon=True).start()
@@ -541,6 +526,37 @@ class Hosts:
         host = self._attach(address)
         if host is not None:
             self._report.put(HostUp(host.index, host.returning))
+
+
+def slots(machine: dict, config: ElasticConfig) -> tuple[int, GpuPlan | None]:
+    """How many replicas a host holds at once, and its GPU plan, from what its watcher reports of the machine: on
+    a CPU host `replicas_per_host` (else room for the whole run), on a GPU host as many replicas as its GPUs fit
+    (`procs_per_replica` each), at most `replicas_per_host`."""
+    k, cap = config.procs_per_replica, config.replicas_per_host
+    if machine["kind"] == "cpu":
+        return cap or config.max_replicas + config.spares, None
+    fits = machine["devices"] // k
+    room = min(cap, fits) if cap else fits
+    return room, plan_gpus(machine["kind"], machine["devices"], machine["environ"], room, k) if room else None
+
+
+def heard(host: Host, beats: int, now: float, timeout_s: float) -> str | None:
+    """Why `host` is lost, if it is: its beat count (its watcher's and its workers' leases together) has not moved
+    for `timeout_s`. A count that moved is noted as heard `now`."""
+    if beats != host.beats:
+        host.beats, host.heard_at = beats, now
+        return None
+    return f"no beat for {now - host.heard_at:.1f} s" if now - host.heard_at > timeout_s else None
+
+
+def watcher_stuck(host: Host, watcher_beats: int, now: float) -> bool:
+    """Whether `host`'s watcher is to be replaced: its own beat has not moved for `_REWATCH_S` while the host beats
+    on (its workers' leases heard within half that), and no replacement is under way. A count that moved is noted
+    as heard `now`."""
+    if watcher_beats != host.watcher_beats:
+        host.watcher_beats, host.watcher_heard_at = watcher_beats, now
+        return False
+    return now - host.watcher_heard_at > _REWATCH_S and now - host.heard_at < _REWATCH_S / 2 and not host.rewatching
 
 
 def _settle(future) -> None:
