@@ -2,7 +2,7 @@
 
     sudo python -m benchmarks.multihost.doctor [--timeout 10]
 
-Hosts are Linux network namespaces with a real `monarch-plugin host` agent each (`tests/netns.py`, as the
+Hosts are Linux network namespaces with a real `monarch-plugin host` agent each (`tests/support/netns.py`, as the
 multi-host tests make them; root needed), all removed at the end. Each row is one invocation of the installed
 command, timed from outside (start-up included) and as the command reports its own checking.
 """
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests import netns  # the namespace hosts the multi-host tests make
+from tests.support import netns  # the namespace hosts the multi-host tests make
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from benchmarks.harness import REPO, add_out, finished, kill, median, progress, reap, spawned, wait_for, write_json
 from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.tools.report import recoveries
-from tests import netns  # the namespace hosts the multi-host tests make
+from tests.support import netns  # the namespace hosts the multi-host tests make
 
 WORKLOAD = REPO / "tests" / "workloads" / "held_loop.py"
 HOST_TIMEOUT_S = 5.0

@@ -39,7 +39,7 @@ from monarch_plugin.config import ElasticConfig
 from monarch_plugin.controller import ElasticController
 from monarch_plugin.events import EventLog, read_events
 from monarch_plugin.target import Target
-from tests.simulated import Fleet, wait_for  # the simulated replicas, shared with the controller's unit tests
+from tests.support.simulated import Fleet, wait_for  # the simulated replicas, shared with the controller's unit tests
 
 
 # -- one count ----------------------------------------------------------------------------------------------------

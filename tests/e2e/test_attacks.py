@@ -1,6 +1,6 @@
 """A process without the run's secret steers the run's store, from outside, as an attacker would: a second,
 unprivileged user of this machine, created for the test and removed after it, connected to the store's port with a
-plain TCPStore client (`tests/attacker.py`). It writes forged plans, reports and decisions under the runtime's own
+plain TCPStore client (`tests/support/attacker.py`). It writes forged plans, reports and decisions under the runtime's own
 keys, and overwrites the members' addresses in a formation's rendezvous. No forged value is acted on: the run either
 finishes with identical replicas, the exact step count and every sample once, or, where the attacker took a key
 before the run could write it, stops naming it, with a checkpoint.
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, WORKLOADS, alive
+from support.procs import alive
+from support.runs import REPO, WORKLOADS
 from monarch_plugin.storage.checkpoint import complete
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,7 +36,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 
 @pytest.fixture
 def stranger():
-    """A user of this machine who is not the run's, removed afterwards; runs `tests/attacker.py` with the system's
+    """A user of this machine who is not the run's, removed afterwards; runs `tests/support/attacker.py` with the system's
     Python and the project's packages (the venv's interpreter lives under the run user's home)."""
     if os.geteuid() != 0:
         pytest.skip("creating a second user needs root")
@@ -52,7 +53,7 @@ def stranger():
             """What the stranger did, a dict a line; `on(did)` is called as each line comes."""
             proc = subprocess.Popen(
                 ["runuser", "-u", name, "--", "env", f"PYTHONPATH={sysconfig.get_paths()['purelib']}",
-                 SYSTEM_PYTHON, str(REPO / "tests" / "attacker.py"), *args],
+                 SYSTEM_PYTHON, str(REPO / "tests" / "support" / "attacker.py"), *args],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
             did = []
             try:

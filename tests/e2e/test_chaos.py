@@ -1,4 +1,4 @@
-"""Seeded chaos: one run, several failures drawn from every kind a cluster throws (`tests/chaos.py`), injected into
+"""Seeded chaos: one run, several failures drawn from every kind a cluster throws (`tests/support/chaos.py`), injected into
 real Monarch procs by PID from this test or at protocol points inside them. The run must finish every step with
 identical replicas, the witness (a replica that trained from the start) must have trained every sample once per
 epoch, the events must tell exactly what was injected, and no process may be left.
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chaos import KINDS, Chaos, seed_from_env
-from conftest import WORKLOADS, front_end_runs
+from support.chaos import KINDS, Chaos, seed_from_env
+from support.runs import WORKLOADS, front_end_runs
 
 IN_THE_LOOP = tuple(k for k in KINDS if k != "after_end")
 """What the front ends' workloads can be hit with: they stay in no code of their own after training."""

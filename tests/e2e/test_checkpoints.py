@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import WORKLOADS
+from support.runs import WORKLOADS
 
 pytestmark = pytest.mark.timeout(300)
 

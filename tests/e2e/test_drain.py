@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from conftest import WORKLOADS, alive, descendants
+from support.procs import alive, descendants
+from support.runs import WORKLOADS
 
 pytestmark = pytest.mark.timeout(300)
 

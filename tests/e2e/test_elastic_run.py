@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from conftest import WORKLOADS, alive, descendants, listeners, parent
+from support.procs import alive, descendants, listeners, parent
+from support.runs import WORKLOADS
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from conftest import WORKLOADS, alive
+from support.procs import alive
+from support.runs import WORKLOADS
 
 pytestmark = pytest.mark.timeout(120)
 

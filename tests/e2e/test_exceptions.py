@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from conftest import WORKLOADS, alive
+from support.procs import alive
+from support.runs import WORKLOADS
 from monarch_plugin.worker import dcp_io
 
 pytestmark = pytest.mark.timeout(240)

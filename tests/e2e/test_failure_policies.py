@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from conftest import WORKLOADS, alive, parent
+from support.procs import alive, parent
+from support.runs import WORKLOADS
 from monarch_plugin.storage.checkpoint import step_of
 from monarch_plugin.worker.dcp_io import read_metadata
 

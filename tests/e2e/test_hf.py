@@ -22,7 +22,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import WORKLOADS, ElasticRun, alive, run_factory  # noqa: E402
+from support.procs import alive  # noqa: E402
+from support.runs import WORKLOADS, ElasticRun, run_factory  # noqa: E402
 from torch.utils.data import IterableDataset  # noqa: E402
 
 from monarch_plugin.integrations.hf._stream import ElasticStream  # noqa: E402

@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-import netns
-from conftest import WORKLOADS
+from support import netns
+from support.runs import WORKLOADS
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]

@@ -28,7 +28,8 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.utilities.exceptions import MisconfigurationException  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from conftest import WORKLOADS, ElasticRun, alive, descendants, run_factory  # noqa: E402
+from support.procs import alive, descendants  # noqa: E402
+from support.runs import WORKLOADS, ElasticRun, run_factory  # noqa: E402
 from monarch_plugin.integrations.lightning import MonarchFSDPStrategy, MonarchStrategy  # noqa: E402
 
 WORKLOAD = WORKLOADS / "lightning_fit.py"

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import WORKLOADS, alive
+from support.procs import alive
+from support.runs import WORKLOADS
 
 pytestmark = pytest.mark.timeout(240)
 HELD = WORKLOADS / "held_loop.py"

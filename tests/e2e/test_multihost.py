@@ -1,7 +1,7 @@
 """End to end across machines: replicas on Monarch host agents in separate network namespaces.
 
 Each host is a Linux network namespace with its own network stack and a real `monarch-plugin host` agent in it
-(`tests/netns.py`); the controller (`monarch-run --hosts-file`) runs in the root namespace, and the replicas'
+(`tests/support/netns.py`); the controller (`monarch-run --hosts-file`) runs in the root namespace, and the replicas'
 gloo groups cross the bridge between them. A host is lost the way a machine dies: the test SIGKILLs every
 process in its namespace, or its link is cut. Also here: no process of a multi-host job listens on a wildcard
 address (a single-host job's listeners are checked in test_elastic_run.py), and a hosts-file line without the HMAC
@@ -21,8 +21,9 @@ import time
 
 import pytest
 
-import netns
-from conftest import REPO, WILDCARDS, WORKLOADS, alive, descendants, listeners
+from support import netns
+from support.procs import WILDCARDS, alive, descendants, listeners
+from support.runs import REPO, WORKLOADS
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]
@@ -79,7 +80,7 @@ def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_on
 
     # A process on the job network without the run's secret (in host 0's namespace) forges three deaths on host 0,
     # with their records and count, and host 1's loss: none is acted on (the generations below stay as counted).
-    forged = subprocess.run(["ip", "netns", "exec", net.names[0], sys.executable, str(REPO / "tests" / "attacker.py"),
+    forged = subprocess.run(["ip", "netns", "exec", net.names[0], sys.executable, str(REPO / "tests" / "support" / "attacker.py"),
                              "--host", net.controller_ip, "--port", str(run.events("run_start")[0]["store_port"]),
                              "hosts"], capture_output=True, text=True, timeout=60)
     assert forged.returncode == 0, forged.stderr[-2000:]

@@ -14,7 +14,8 @@ import signal
 
 import pytest
 
-from conftest import WORKLOADS, alive, stopped
+from support.procs import alive, stopped
+from support.runs import WORKLOADS
 
 pytestmark = pytest.mark.timeout(240)
 SAMPLES, BATCH, EPOCHS = 240, 24, 3  # 10 steps an epoch

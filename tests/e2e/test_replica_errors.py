@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORKLOADS, ElasticRun, alive, run_factory
+from support.procs import alive
+from support.runs import WORKLOADS, ElasticRun, run_factory
 
 pytestmark = pytest.mark.timeout(120)
 WORKLOAD = WORKLOADS / "runtime_sys_path.py"

@@ -2,7 +2,7 @@
 network namespaces.
 
 The cluster is Debian's slurmctld and one slurmd per node, each node a network namespace with its own hostname
-(`tests/slurm.py`); the batch script runs on the allocation's first node, as on a real cluster, and the run started
+(`tests/support/slurm.py`); the batch script runs on the allocation's first node, as on a real cluster, and the run started
 in it finds the allocation itself: SLURM starts a host agent on every node as a step of its own. A node fails the way
 a machine does: every process in its namespace is SIGKILLed, its slurmd among them, and SLURM marks it DOWN.
 """
@@ -18,8 +18,9 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import slurm
-from conftest import WORKLOADS, alive
+from support import slurm
+from support.procs import alive
+from support.runs import WORKLOADS
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(slurm.available() is not None,
                                                              reason=str(slurm.available()))]

@@ -24,7 +24,8 @@ pytest.importorskip("torchtitan")
 
 from torchtitan.config import ConfigManager, ParallelismConfig  # noqa: E402
 
-from conftest import WORKLOADS, ElasticRun, alive, run_factory  # noqa: E402
+from support.procs import alive  # noqa: E402
+from support.runs import WORKLOADS, ElasticRun, run_factory  # noqa: E402
 from monarch_plugin.integrations.torchtitan import ElasticLauncher, MonarchConfig, MonarchTrainer  # noqa: E402
 from monarch_plugin.integrations.torchtitan.config import elastic_config  # noqa: E402
 from monarch_plugin.integrations.torchtitan.config_registry import (  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import REPO
+from support.runs import REPO
 
 ROOTS = {"monarch_plugin": REPO / "monarch_plugin", "monarch_plugin.integrations": REPO / "integrations"}
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
+from support.runs import REPO
 
 CHECK = [sys.executable, "-m", "benchmarks.gpu.check"]
 

@@ -11,7 +11,7 @@ import re
 import threading
 
 import pytest
-from simulated import Fleet, wait_for
+from support.simulated import Fleet, wait_for
 
 from monarch_plugin.config import ElasticConfig
 from monarch_plugin.controller import ElasticController

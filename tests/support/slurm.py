@@ -25,8 +25,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from netns import NetnsHosts
-from netns import available as netns_available
+from .netns import NetnsHosts
+from .netns import available as netns_available
 
 SLURMD_TIMEOUT = 3  # seconds before slurmctld marks a silent node DOWN (a real cluster: 300 by default)
 KILL_WAIT = 5  # seconds between a job's SIGTERM and its SIGKILL (a real cluster: 30 by default)

@@ -34,7 +34,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from conftest import alive as _alive
+from .procs import alive as _alive
 
 __all__ = ["Chaos", "KINDS", "seed_from_env"]
 
