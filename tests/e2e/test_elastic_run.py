@@ -128,7 +128,7 @@ def test_hot_spare_takes_a_dead_replicas_place_at_once(elastic_run):
 
 def test_module_target_without_failures(elastic_run):
     """`monarch-run -m pkg.module`, resolved from the working directory as `python -m` does."""
-    from conftest import REPO
+    from support.runs import REPO
 
     run = elastic_run()
     run.start("--replicas", "2", "-m", script="recipes.elastic_loop", cwd=REPO,
