@@ -80,7 +80,8 @@ def test_new_host_grows_the_run_then_remote_death_lost_host_and_cut_link_each_on
 
     # A process on the job network without the run's secret (in host 0's namespace) forges three deaths on host 0,
     # with their records and count, and host 1's loss: none is acted on (the generations below stay as counted).
-    forged = subprocess.run(["ip", "netns", "exec", net.names[0], sys.executable, str(REPO / "tests" / "support" / "attacker.py"),
+    attacker = REPO / "tests" / "support" / "attacker.py"
+    forged = subprocess.run(["ip", "netns", "exec", net.names[0], sys.executable, str(attacker),
                              "--host", net.controller_ip, "--port", str(run.events("run_start")[0]["store_port"]),
                              "hosts"], capture_output=True, text=True, timeout=60)
     assert forged.returncode == 0, forged.stderr[-2000:]
@@ -260,13 +261,14 @@ def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_chan
     with open(net.hosts_file, "a") as f:
         f.write(unsigned + "\n")
     run = elastic_run()
-    samples, batch, epochs = 240, 24, 16  # 160 steps: long enough that the regrow onto a new host comes before the end
+    samples, batch, epochs = 240, 24, 16  # 160 steps, paused at step 100 until the replacements are ready (below)
+    paused = run.tmp / "paused"
     run.start("--hosts-file", str(net.hosts_file), "--token-file", str(net.token_file), "--store-host",
               net.controller_ip, "--replicas", "4",
               "--min-replicas", "2", "--replicas-per-host", "2", "--host-timeout", "4", "--join-timeout", "120",
               script=WORKLOADS / "logged_loop.py",
               script_args=("--epochs", str(epochs), "--samples", str(samples), "--batch", str(batch),
-                           "--step-sleep", "0.1", "--out", str(run.out)))
+                           "--step-sleep", "0.1", "--pause", f"100:{paused}", "--out", str(run.out)))
     steps_file = run.out / "steps.jsonl"
     run.wait_for(lambda: steps_file.exists() and len(steps_file.read_text().splitlines()) >= 4, timeout=150,
                  what="four committed steps")
@@ -278,7 +280,11 @@ def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_chan
     net.agents[1].send_signal(signal.SIGTERM)
     run.wait_for(lambda: run.events("drained") and len(run.events("drained")) == 2, timeout=60,
                  what="host 1's replicas to leave")
+    paused.touch()  # the members wait at step 100 until both replacements are ready: the regrow comes before the end
     net.start_agent(2)
+    run.wait_for(lambda: len([e for e in run.events("ready") if e["replica"] >= 4]) == 2, timeout=180,
+                 what="both replacements ready on host 2")
+    paused.unlink()
     assert run.wait(timeout=240) == 0, run.output
 
     [host_drain] = run.events("host_drain")

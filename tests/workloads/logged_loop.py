@@ -35,6 +35,8 @@ p.add_argument("--dropout", action="store_true", help="a Dropout in the model, w
 p.add_argument("--fsdp", action="store_true", help="fully_shard the model over this replica's procs")
 p.add_argument("--hold", default=None, metavar="R:FILE", help="replica R builds its loop (gets ready to join) only "
                "once FILE exists: a replacement as slow to get ready as the test needs")
+p.add_argument("--pause", default=None, metavar="STEP:FILE", help="every replica waits at the start of step STEP "
+               "while FILE exists: a run kept from ending before what the test waits for has happened")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 ctx = worker_context()
@@ -56,7 +58,10 @@ optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.8)
 loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples, global_batch_size=args.batch,
                    max_epochs=args.epochs, seed=0)
+pause_step, pause = args.pause.split(":", 1) if args.pause else ("-1", "")
 for step in loop:
+    while step.number == int(pause_step) and os.path.exists(pause):
+        time.sleep(0.05)
     idx = torch.tensor(step.indices, dtype=torch.long)
     loss = nn.functional.mse_loss(model(x[idx]), y[idx])  # this share's mean: the runtime weighs the shares
     loss.backward()
