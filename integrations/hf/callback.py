@@ -575,7 +575,7 @@ def _check_arguments(trainer, ctx) -> None:
                       ("ignore_data_skip", "a replacement enters the epoch by skipping what its peers trained"),
                       ("torch_compile", "with it the replicas' gradients were measured not to be reduced across "
                                         "replicas: each trained on its own share and the replicas diverged, "
-                                        "benchmarks/hf_features.py")):
+                                        "benchmarks/frontends/hf_features.py")):
         if getattr(args, name):
             raise ValueError(f"{name}=True is not supported by MonarchElasticCallback ({why}): remove it")
     if args.n_gpu > 1:

@@ -1,9 +1,9 @@
 """A process without the run's secret steers the run's store, from outside, as an attacker would: a second,
-unprivileged user of this machine, created for the test and removed after it, connected to the store's port with a
-plain TCPStore client (`tests/support/attacker.py`). It writes forged plans, reports and decisions under the runtime's own
+unprivileged user of this machine, created for the test and removed after it, connected to the store's port with a plain
+TCPStore client (`tests/support/attacker.py`). It writes forged plans, reports and decisions under the runtime's own
 keys, and overwrites the members' addresses in a formation's rendezvous. No forged value is acted on: the run either
-finishes with identical replicas, the exact step count and every sample once, or, where the attacker took a key
-before the run could write it, stops naming it, with a checkpoint.
+finishes with identical replicas, the exact step count and every sample once, or, where the attacker took a key before
+the run could write it, stops naming it, with a checkpoint.
 
 Real Monarch procs, real gloo groups, the real store under `monarch-run`.
 """
@@ -36,8 +36,8 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 
 @pytest.fixture
 def stranger():
-    """A user of this machine who is not the run's, removed afterwards; runs `tests/support/attacker.py` with the system's
-    Python and the project's packages (the venv's interpreter lives under the run user's home)."""
+    """A user of this machine who is not the run's, removed afterwards; runs `tests/support/attacker.py` with the
+    system's Python and the project's packages (the venv's interpreter lives under the run user's home)."""
     if os.geteuid() != 0:
         pytest.skip("creating a second user needs root")
     found = subprocess.run([SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,

@@ -1,11 +1,12 @@
-"""Seeded chaos: one run, several failures drawn from every kind a cluster throws (`tests/support/chaos.py`), injected into
-real Monarch procs by PID from this test or at protocol points inside them. The run must finish every step with
-identical replicas, the witness (a replica that trained from the start) must have trained every sample once per
+"""Seeded chaos: one run, several failures drawn from every kind a cluster throws (`tests/support/chaos.py`),
+injected into real Monarch procs by PID from this test or at protocol points inside them. The run must finish every step
+with identical replicas, the witness (a replica that trained from the start) must have trained every sample once per
 epoch, the events must tell exactly what was injected, and no process may be left.
 
 Each run draws a fresh seed and prints it; `CHAOS_SEED=<seed>` replays a draw. The default run (CI) runs the plain
 loop's; Lightning's, HF's and torchtitan's (~70-120 s each) are `soak` tests, left out for the suite's time:
-`python -m pytest -m soak tests/e2e/test_chaos.py` runs them, `benchmarks/chaos_soak.py` runs them on many seeds.
+`python -m pytest -m soak tests/e2e/test_chaos.py` runs them, `python -m benchmarks.soak.chaos`
+runs them on many seeds.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 network namespaces.
 
 The cluster is Debian's slurmctld and one slurmd per node, each node a network namespace with its own hostname
-(`tests/support/slurm.py`); the batch script runs on the allocation's first node, as on a real cluster, and the run started
-in it finds the allocation itself: SLURM starts a host agent on every node as a step of its own. A node fails the way
-a machine does: every process in its namespace is SIGKILLed, its slurmd among them, and SLURM marks it DOWN.
+(`tests/support/slurm.py`); the batch script runs on the allocation's first node, as on a real cluster, and the run
+started in it finds the allocation itself: SLURM starts a host agent on every node as a step of its own. A node fails
+the way a machine does: every process in its namespace is SIGKILLed, its slurmd among them, and SLURM marks it DOWN.
 """
 
 from __future__ import annotations

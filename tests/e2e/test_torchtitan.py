@@ -94,7 +94,7 @@ def test_sigkilled_worker_shrinks_regrows_heals_shard_by_shard_and_matches_an_un
                                                                                                 cp):
     """A replica of `procs` procs is a (procs / tp / cp) x cp x tp FSDP x CP x TP mesh; the procs of a CP x TP group
     read the same samples. Context parallelism on CPU splits sequences in blocks of 128 per proc. (TP alone, 2 procs
-    a replica, survives a SIGKILL in torchtitan's own `tp2` flag set: benchmarks/torchtitan_features.py.)"""
+    a replica, survives a SIGKILL in torchtitan's own `tp2` flag set: benchmarks/frontends/torchtitan_features.py.)"""
     seq_len = SEQ_LEN if cp == 1 else 128 * cp
     layout = ("--monarch.procs_per_replica", str(procs), "--parallelism.tensor_parallel_degree", str(tp),
               "--parallelism.context_parallel_degree", str(cp), "--training.seq_len", str(seq_len))

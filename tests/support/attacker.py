@@ -3,9 +3,12 @@ unprivileged user of this machine (the system's Python, with the project's packa
 the store's port like any local process can. It writes under the runtime's own keys with a plain TCPStore client,
 and prints a line for each thing it did, which the test reads back.
 
-    python tests/support/attacker.py --port P steer     # forged reports, plans and a stall, then the next formation's addresses
-    python tests/support/attacker.py --port P preempt   # the next formation's decision taken before its members decide it
-    python tests/support/attacker.py --host IP --port P hosts   # a host's deaths and another's loss, from the job network
+    python tests/support/attacker.py --port P steer     # forged reports, plans and a stall, then the next
+                                                        # formation's addresses
+    python tests/support/attacker.py --port P preempt   # the next formation's decision taken before its members
+                                                        # decide it
+    python tests/support/attacker.py --host IP --port P hosts   # a host's deaths and another's loss, from the job
+                                                                # network
 """
 
 from __future__ import annotations

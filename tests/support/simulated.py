@@ -8,7 +8,8 @@ is everything a real replica does besides the protocol: no torch group, no heal,
 push ends at once. Each has a real proc for the controller to watch by pidfd and to kill: a `sleep` that does
 nothing, whose end takes the protocol thread out with it.
 
-Used by `benchmarks/scale_sim.py` (1,024 replicas on two cores) and `tests/unit/test_controller.py`.
+Used by `benchmarks/scale/simulated.py` (1,024 replicas on two cores) and
+`tests/unit/controller/test_controller.py`.
 """
 
 from __future__ import annotations

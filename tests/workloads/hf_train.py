@@ -22,8 +22,8 @@ saved, whether it was the main replica) and DIR/weights-<id>.pt, where <id> is t
 a test knows when to kill it. `--pause-at N` makes the initial replicas hold step N until the test creates
 DIR/release, and a replacement start `train()` only once they are there, so it joins right after step N whatever
 the machine's speed. `--bad` builds one of the inputs the callback must reject. `--training-args '{"bf16": true}'`
-sets more `TrainingArguments` fields and `--eval N` adds an `eval_dataset` of N samples (`benchmarks/hf_features.py`
-trains each Trainer feature this way).
+sets more `TrainingArguments` fields and `--eval N` adds an `eval_dataset` of N samples
+(`benchmarks/frontends/hf_features.py` trains each Trainer feature this way).
 """
 
 from __future__ import annotations
