@@ -5,6 +5,8 @@ global batch it trained (every replica's share, summed in the step's own transac
 and the live replica count. Run it under `monarch-run --checkpoint-steps N [--resume auto]`; DIR/result-<id>.json
 holds each replica's final step and weights checksum. `--straggler R --straggle S` makes replica R slow but alive.
 `--fsdp` shards the model over the replica's procs (`--procs-per-replica`) with FSDP2 on their default group.
+A test pins when things happen with files: `--hold R:FILE` keeps replica R from getting ready until FILE exists,
+`--pause STEP:FILE` holds every replica at step STEP while FILE exists.
 """
 
 from __future__ import annotations
