@@ -109,6 +109,13 @@ class ElasticConfig:
     boundary where it leaves; past it, it is treated as dead (its step dropped). Under SLURM keep it below the
     cluster's `KillWait` (30 s by default), after which SLURM sends SIGKILL."""
 
+    controller_loss_save_s: float = 60.0
+    """When the controller itself is lost (its process killed, its machine gone), the replicas do not end with it: the
+    generation's first replica writes the last committed step as a checkpoint (the front end's own, as when the run
+    gives up) and every proc ends within this many seconds, written or not. 60 s: a shard of several GB at a shared
+    filesystem's few hundred MB/s, and below the 70 s after which a host agent ends the procs of a controller it lost.
+    0: the replicas end with their controller, and every step since the last periodic checkpoint is lost."""
+
     hosts: list[str] = field(default_factory=list)
     """Monarch host agents to run the replicas on, one per machine, as ``tcp://IP:PORT`` (start one with
     ``monarch-plugin host --address tcp://IP:PORT``). Empty: every replica runs on this machine, no agent needed.
@@ -279,7 +286,7 @@ class ElasticConfig:
         for name in ("max_restarts", "crash_loop_limit", "spares", "checkpoint_steps", "checkpoint_keep"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be 0 or more, got {getattr(self, name)}", name)
-        for name in ("restart_backoff_s", "checkpoint_interval_s"):
+        for name in ("restart_backoff_s", "checkpoint_interval_s", "controller_loss_save_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be 0 or more seconds, got {getattr(self, name)}", name)
         for name in ("join_timeout_s", "collective_timeout_s", "drain_grace_s"):

@@ -34,13 +34,18 @@ def open_store(config: ElasticConfig, secret: str, events: EventLog) -> SignedSt
 
 def start_files(config: ElasticConfig, events: EventLog) -> None:
     """A fresh events file (one a run, so reports never mix runs); where this run holds the checkpoint directory,
-    what a killed run left half-written there goes."""
+    what a killed run left half-written there goes; a run whose replicas would not save it if the controller were lost
+    is told so."""
     if config.events_path:
         open(config.events_path, "w").close()
     if holds_checkpoints(config):
         stale = clean_stale(config.checkpoint_dir)
         if stale:
             events.emit("checkpoint_cleaned", paths=stale)
+    if not config.controller_loss_save_s:
+        logger.warning("`controller_loss_save_s` is 0: if this controller is lost, its replicas end with it and the "
+                       "run loses every step since its last periodic checkpoint (set it above 0 to have them write "
+                       "the last committed step first)")
 
 
 def resume_from(config: ElasticConfig) -> tuple[ElasticConfig, list[tuple[str, str]]]:

@@ -22,7 +22,7 @@ from monarch_plugin.controller.replica import Replica
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.procs.hosts import Hosts
 from monarch_plugin.procs.stores import AGENT_STORE_ENV
-from monarch_plugin.wire.protocol import START_METHOD_ENV, Died, Returned, Spawned, mesh_names
+from monarch_plugin.wire.protocol import ORPHAN_ENV, START_METHOD_ENV, Died, Returned, Spawned, mesh_names
 from monarch_plugin.wire.signing import SECRET_ENV
 
 __all__ = ["check_room", "launch_on_monarch", "spawn", "stop_mesh"]
@@ -92,6 +92,7 @@ def _env(run, replica: Replica) -> dict[str, str]:
         # torchrun's default: replicas share the host's cores, and a thread pool per core each thrashes.
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         START_METHOD_ENV: multiprocessing.get_start_method(allow_none=True) or "",
+        ORPHAN_ENV: str(run.config.controller_loss_save_s),
         **run.hosts.env_for(replica.rid),
     }
 

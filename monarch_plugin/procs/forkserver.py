@@ -52,6 +52,7 @@ import threading
 import time
 
 from monarch_plugin.procs import notice
+from monarch_plugin.wire.protocol import ORPHAN_ENV
 
 __all__ = ["ALWAYS", "ForkServer", "PRELOADABLE", "client_main", "for_run", "preload_for", "stop_shared"]
 
@@ -72,6 +73,9 @@ READY_TIMEOUT_S = 120.0
 _BOOTSTRAP = "monarch._src.actor.bootstrap_main"
 _GPU_BUILD = 3  # the server's exit status when it finds a GPU build of torch and was started `--cpu-only`
 _PR_SET_CHILD_SUBREAPER = 36
+_ORPHAN_CAP_S = 600.0
+"""How long the server waits for its procs once the process that started it is gone: each ends within its run's
+`controller_loss_save_s`, or its client ends it; past this, the server ends what is left regardless."""
 _STOP_WAIT_S = 5.0
 """How long `stop` gives the server to end its procs and what they left before it SIGKILLs it."""
 _MAX_MESSAGE = 1 << 20
@@ -239,11 +243,16 @@ def _serve(path: str, preload: list[str], cpu_only: bool) -> None:
     selector.register(listener, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     selector.register(parent, selectors.EVENT_READ)
+    orphaned = None  # when the process that started it ended: the procs may outlive it by their bound
     try:
-        while True:
-            for key, _ in selector.select():
+        while orphaned is None or (children and time.monotonic() - orphaned < _ORPHAN_CAP_S):
+            for key, _ in selector.select(1.0):
                 if key.fileobj == parent:
-                    return
+                    # Each proc saves the run and ends within `controller_loss_save_s`, or its client ends it then.
+                    orphaned = time.monotonic()
+                    selector.unregister(parent)
+                    selector.unregister(listener)
+                    continue
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
                     pid = _fork_one(conn, [listener, wake_r, wake_w, *children.values()], parent, selector)
@@ -455,6 +464,7 @@ def client_main(path: str) -> int:
     while True:
         for key, _ in watch.select():
             if key.fileobj == starter:  # the controller's process is gone: its proc goes too (a stopped one as well)
+                _outlive(child, float(os.environ.get(ORPHAN_ENV, 0)))
                 forward(signal.SIGKILL, None)
                 return 1
             if key.fileobj is not conn:  # the child ended after the server: how went with the server, its parent
@@ -468,6 +478,16 @@ def client_main(path: str) -> int:
                 watch.register(os.pidfd_open(child), selectors.EVENT_READ)
             except ProcessLookupError:
                 return 1
+
+
+def _outlive(child: int, bound_s: float) -> None:
+    """The controller is gone: give the proc `bound_s` to save the run and end by itself (`worker.orphan`)."""
+    try:
+        pidfd = os.pidfd_open(child)
+    except ProcessLookupError:
+        return
+    select.select([pidfd], [], [], bound_s + 1.0)  # its own bound first, then this one
+    os.close(pidfd)
 
 
 def _end_as(end: dict) -> int:

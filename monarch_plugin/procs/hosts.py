@@ -40,7 +40,7 @@ from monarch_plugin.procs.devices import GpuPlan, plan_gpus
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.events import EventLog, logger
 from monarch_plugin.procs.pidwatch import PidWatch
-from monarch_plugin.wire.protocol import Died, HostLost, HostUp, Key, watcher_names
+from monarch_plugin.wire.protocol import CONTROLLER_PID_ENV, ORPHAN_ENV, Died, HostLost, HostUp, Key, watcher_names
 from monarch_plugin.procs.lease import BEAT_S, lease_s
 from monarch_plugin.wire.signing import Forged
 
@@ -122,6 +122,7 @@ class Hosts:
         self._forkserver_serves: bool | None = None  # whether it started this run's first procs (None: none yet)
         self._imports = imports  # what the target imports: the forkserver loads the frameworks among them
         self._lease = lease_s(config.host_timeout_s)
+        self._orphan_s = config.controller_loss_save_s  # how long this machine's procs outlive a lost controller
         self._here: dict | None = None  # this machine's `hostfacts.report`, what each host's is checked against
         self._token: bytes | None = None  # the job's token: a hosts-file line is attached only if it carries its HMAC
         self._refused: set[tuple[str, str]] = set()  # (line, why) of each refusal reported: reported once
@@ -231,6 +232,8 @@ class Hosts:
         env = {"MONARCH_PLUGIN_BIND_ADDR": host.ip}
         if host.watcher is not None:  # on another machine: a cut-off proc ends itself (`worker.lease`)
             env.update(MONARCH_PLUGIN_HOST=str(host.index), MONARCH_PLUGIN_LEASE_S=str(self._lease))
+        else:  # on this one: the controller's end is its loss (`worker.orphan`)
+            env[CONTROLLER_PID_ENV] = str(os.getpid())
         if host.gpus is not None:
             env.update(host.gpus.env_for_slot(host.held[replica]))
         return env
@@ -254,7 +257,12 @@ class Hosts:
     def _bootstrap_command(self):
         """How this machine's procs start: through the forkserver once it is ready (the first spawn of a run waits
         for its imports, and says in an event how long), else as fresh interpreters; either way catching the signals
-        with notice (`notice`)."""
+        with notice (`notice`), and outliving a lost controller by `controller_loss_save_s` (`ORPHAN_ENV`)."""
+        command = self._start_command()
+        command.env[ORPHAN_ENV] = str(self._orphan_s)
+        return command
+
+    def _start_command(self):
         if self._forkserver is None:
             return notice.bootstrap_command()
         t0 = time.time()

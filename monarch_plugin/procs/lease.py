@@ -10,6 +10,10 @@ every `BEAT_S` over a connection of its own, and ends the process when its touch
 gone before the controller declares the host lost, and so before anything could reach it again. A thread merely
 starved of the GIL does not count: only a touch that was tried and failed or hung (see `Lease._judge`). A host the controller
 declared lost anyway (`Key.host_lost`) ends its procs at their next touch.
+
+A worker does not end when its lease runs out (`on_lost`): it saves the run's last committed step first
+(`worker.orphan`). Only a host the controller declared lost ends its procs at once: that controller is alive and its
+run has moved on.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from typing import Callable
 
 from monarch_plugin.wire.protocol import Key
 from monarch_plugin.wire.signing import Forged, SignedStore
@@ -47,7 +52,8 @@ class Lease:
     """
 
     def __init__(self, store_host: str, store_port: int, host: int, lease: float, what: str, secret: str,
-                 beat_keys: tuple[str, ...] = ()):
+                 beat_keys: tuple[str, ...] = (), on_lost: Callable[[str], None] | None = None):
+        """`on_lost(why)` is called once when the controller is out of reach (default: end the process)."""
         import torch.distributed as dist
 
         self._store = SignedStore(dist.TCPStore(store_host, store_port, is_master=False, wait_for_workers=False,
@@ -57,11 +63,12 @@ class Lease:
         self._last_ok = time.monotonic()
         self._since: float | None = None  # when the touch in flight began
         self._failing = False
+        self._on_lost, self._lost = on_lost, threading.Event()
         threading.Thread(target=self._touch, name="monarch-plugin-lease", daemon=True).start()
         threading.Thread(target=self._judge, name="monarch-plugin-lease-judge", daemon=True).start()
 
     def _touch(self) -> None:
-        while True:
+        while not self._lost.is_set():
             self._since = time.monotonic()
             try:
                 for key in self._beat_keys:
@@ -83,7 +90,7 @@ class Lease:
         itself ran late (the GIL held by a long C call: an import, a kernel), the toucher was held up too, so it
         gets two beats to touch before anything is judged."""
         previous, grace = time.monotonic(), 0.0
-        while True:
+        while not self._lost.is_set():
             time.sleep(BEAT_S / 2)
             now = time.monotonic()
             if now - previous > 2 * BEAT_S:
@@ -93,11 +100,19 @@ class Lease:
                 continue
             since = self._since
             if since is not None and now - since >= self._lease:
-                self._end(f"a touch of the controller's store hung for {self._lease:.1f} s")
-            if self._failing and now - self._last_ok >= self._lease:
-                self._end(f"no contact with the controller for {self._lease:.1f} s")
+                self._lose(f"a touch of the controller's store hung for {self._lease:.1f} s")
+            elif self._failing and now - self._last_ok >= self._lease:
+                self._lose(f"no contact with the controller for {self._lease:.1f} s")
+
+    def _lose(self, why: str) -> None:
+        if self._lost.is_set():
+            return
+        self._lost.set()
+        if self._on_lost is None:
+            self._end(why)
+        self._on_lost(why)
 
     def _end(self, why: str) -> None:
-        print(f"monarch-plugin: {self._what}: {why}; exiting, the run goes on without this host", file=sys.stderr,
+        print(f"monarch-plugin: {self._what}: {why}; exiting", file=sys.stderr,
               flush=True)
         os._exit(17)

@@ -119,8 +119,36 @@ def bootstrap_command():
 
 
 def main() -> None:
+    from monarch_plugin.wire.protocol import ORPHAN_ENV
+
+    bound = float(os.environ.get(ORPHAN_ENV, 0))  # set for the procs on the controller's machine only
+    if bound:
+        # Monarch has the proc die with the process that started it, the controller: it would lose the state the
+        # proc is to save when that goes (`worker.orphan`). A watchdog ends it `bound` seconds later instead.
+        os.environ["HYPERACTOR_MESH_BOOTSTRAP_ENABLE_PDEATHSIG"] = "false"
+        _watchdog(bound)
     install()
     runpy.run_module(_BOOTSTRAP, run_name="__main__", alter_sys=True)
+
+
+def _watchdog(bound_s: float) -> None:
+    """Fork a process that SIGKILLs this one `bound_s` (and a second) after the controller, its parent, ends, and
+    itself ends with this one. Forked before anything starts a thread."""
+    import select
+
+    proc = os.getpid()
+    controller, me = os.pidfd_open(os.getppid()), os.pidfd_open(proc)
+    if os.fork():
+        os.close(controller)
+        os.close(me)
+        return
+    try:
+        ready, _, _ = select.select([controller, me], [], [])
+        if me not in ready:
+            select.select([me], [], [], bound_s + 1.0)
+            signal.pidfd_send_signal(me, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 if __name__ == "__main__":

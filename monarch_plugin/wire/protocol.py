@@ -24,6 +24,8 @@ __all__ = [
     "Raised",
     "ReplicaState",
     "START_METHOD_ENV",
+    "ORPHAN_ENV",
+    "CONTROLLER_PID_ENV",
     "WAITING_ON_PEERS",
     "mesh_names",
     "replica_of_mesh",
@@ -45,11 +47,18 @@ class Phase(str, enum.Enum):
 
 
 WAITING_ON_PEERS = frozenset({Phase.JOIN, Phase.REDUCE, Phase.FINISH})
+"""Phases in which a worker waits on its peers: however long it sits there, it is not the one that hangs."""
 
 START_METHOD_ENV = "MONARCH_PLUGIN_START_METHOD"
 """The multiprocessing start method the user's process chose, for the training code in the replicas (`ReplicaActor`);
 empty: Python's default."""
-"""Phases in which a worker waits on its peers: however long it sits there, it is not the one that hangs."""
+
+ORPHAN_ENV = "MONARCH_PLUGIN_ORPHAN_S"
+"""`controller_loss_save_s`, in the environment of a replica's actor and of the command that starts its proc: how long
+the proc, and whatever stands in for it (its forkserver client, its watchdog), outlive a lost controller."""
+
+CONTROLLER_PID_ENV = "MONARCH_PLUGIN_CONTROLLER_PID"
+"""The controller's pid, for the procs on its machine: its exit is how they learn of its loss (`worker.orphan`)."""
 
 
 class Action(str, enum.Enum):

@@ -17,9 +17,9 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from monarch_plugin.errors import ProtocolError
-from monarch_plugin.wire.protocol import START_METHOD_ENV, Key, Outcome, Raised
+from monarch_plugin.wire.protocol import CONTROLLER_PID_ENV, ORPHAN_ENV, START_METHOD_ENV, Key, Outcome, Raised
 from monarch_plugin.target import Target
-from monarch_plugin.worker import context
+from monarch_plugin.worker import context, orphan
 from monarch_plugin.procs.lease import Lease
 from monarch_plugin.procs.stores import serve
 from monarch_plugin.wire.signing import SECRET_ENV
@@ -84,12 +84,19 @@ class ReplicaActor(Actor):
                                          force=True)
         # The store the training code's `init_process_group` meets its siblings on, on loopback only (`procs.stores`).
         self._replica_store = serve("127.0.0.1", int(env["MASTER_PORT"]), 300.0) if local_rank == 0 else None
+        # The controller lost: this proc saves the run's last committed step and ends within the bound (`orphan`),
+        # or, with no bound, ends at once.
+        what = f"replica {env['MONARCH_PLUGIN_REPLICA_ID']} proc {local_rank}"
+        bound = float(env.get(ORPHAN_ENV, 0))
+        on_lost = (lambda why: orphan.lost(why, bound, what)) if bound else None
         self._lease = None
-        if "MONARCH_PLUGIN_LEASE_S" in env:  # on another host: cut off from the controller, this proc ends itself
+        if "MONARCH_PLUGIN_LEASE_S" in env:  # on another host: by its lease on the controller's store
             self._lease = Lease(env["MONARCH_PLUGIN_STORE_HOST"], int(env["MONARCH_PLUGIN_STORE_PORT"]),
                                 int(env["MONARCH_PLUGIN_HOST"]), float(env["MONARCH_PLUGIN_LEASE_S"]),
-                                f"replica {env['MONARCH_PLUGIN_REPLICA_ID']} proc {local_rank}", env[SECRET_ENV],
-                                beat_keys=(Key.host_beat(int(env["MONARCH_PLUGIN_HOST"])),))
+                                what, env[SECRET_ENV], beat_keys=(Key.host_beat(int(env["MONARCH_PLUGIN_HOST"])),),
+                                on_lost=on_lost)
+        elif on_lost is not None:  # on the controller's machine: by its process's end
+            orphan.watch(int(env[CONTROLLER_PID_ENV]), on_lost)
 
     @endpoint
     def run(self, target: Target) -> Outcome:

@@ -38,6 +38,8 @@ class Flags:
         self.abort_gen = -1
         self.regroup_gen = -1
         self.stop = False
+        self.lost: str | None = None
+        """Why the controller is lost (`worker.orphan`), once it is: the proc saves the run and ends."""
         self._waiter: threading.Event | None = None
         self.finished_gen = -1  # the generation whose members all reached the end together
         self.phase = Phase.STARTING
@@ -75,6 +77,12 @@ class Flags:
             self._announced.notify_all()
             if self._waiter is not None:
                 self._waiter.set()
+
+    def lose_controller(self, why: str) -> None:
+        """The controller is gone: every wait ends as at a stop, and the next step boundary saves the run."""
+        with self._lock:
+            self.lost = why
+        self.request_stop()
 
     def wait_for_plan(self, after: int, timeout_s: float) -> bool:
         """Block until a generation newer than `after` is announced (or a stop); False after `timeout_s`."""

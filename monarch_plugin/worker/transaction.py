@@ -38,6 +38,7 @@ import torch.distributed as dist
 from monarch_plugin.wire.protocol import Action, Phase
 from monarch_plugin.errors import ProtocolError
 from monarch_plugin.wire.handshake import CollectiveInterrupted
+from monarch_plugin.worker import orphan
 from monarch_plugin.worker.context import WorkerContext
 from monarch_plugin.worker.heal import StateProvider
 from monarch_plugin.worker.reducer import GradientReducer
@@ -121,21 +122,27 @@ class StepTransaction:
         the last step), healing from a peer if behind. True if this proc joined one, so the front end can
         re-read its rank and shares. A generation the controller gave up in writes the checkpoint and stops."""
         session = self.session
-        if not session.needs_join():
-            self._hold(committed)
-            return False
         self._hold(committed)  # until a heal or a restore loads another state (`ReplicaSession.loading`)
-        with _runtime_part("join"):
-            session.join(committed)
-        self._hold(session.provider.step)  # past `committed` if the join healed this proc
-        while session.action == Action.CHECKPOINT:
-            # The controller gave up: the generation's rank 0 writes the checkpoint of the step the state holds; the
-            # others wait for its word, a stop once it is written, or a generation without a writer it lost.
-            if self.rank == 0:
-                raise StopReplica("the controller gave up; checkpoint written", checkpoint=self._write_held())
+        if session.flags.lost:  # the controller is gone: save the run and end (`orphan`)
+            orphan.save(self)
+        if not session.needs_join():
+            return False
+        try:
             with _runtime_part("join"):
-                session.join(self.held, patient=True)
-            self._hold(session.provider.step)
+                session.join(committed)
+            self._hold(session.provider.step)  # past `committed` if the join healed this proc
+            while session.action == Action.CHECKPOINT:
+                # The controller gave up: the generation's rank 0 writes the checkpoint of the step the state holds;
+                # the others wait for its word, a stop once it is written, or a generation without a writer it lost.
+                if self.rank == 0:
+                    raise StopReplica("the controller gave up; checkpoint written", checkpoint=self.write_held())
+                with _runtime_part("join"):
+                    session.join(self.held, patient=True)
+                self._hold(session.provider.step)
+        except (StopReplica, ProtocolError):
+            if session.flags.lost:  # lost mid-join: what this proc holds still is the run's, if it holds a step
+                orphan.save(self)
+            raise
         self._on_join()
         return True
 
@@ -239,9 +246,9 @@ class StepTransaction:
         if self.held is None:
             return None
         self.session.rank, self.session.world = 0, 1  # out of every generation now: the run's one writer
-        return self._write_held()
+        return self.write_held()
 
-    def _write_held(self) -> str | None:
+    def write_held(self) -> str | None:
         """Write the run's checkpoint of the committed steps the state holds (`held`), as the last commit left it: an
         attempt since moved the buffers (BatchNorm statistics) and drew from the RNG, and both go back to the step's
         start first, as a run that never failed has them there. Its path, on the proc that wrote it."""

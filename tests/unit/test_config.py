@@ -53,7 +53,7 @@ def test_every_float_setting_refuses_nan_and_inf_naming_it(name, value):
     with pytest.raises(ConfigError, match=rf"^`{name}` must be a finite number, got {value!r}: ") as raised:
         ElasticConfig(**{name: value})
     assert raised.value.field == name
-    assert len(_FLOATS) == 6  # a new float setting is covered here by its type, whatever its name
+    assert len(_FLOATS) == 7  # a new float setting is covered here by its type, whatever its name
 
 
 def test_a_config_error_names_its_field_in_each_front_ends_spelling():

@@ -3,6 +3,7 @@ report makes room for, and when its silence loses it or only replaces its watche
 
 from __future__ import annotations
 
+import os
 import queue
 
 import pytest
@@ -27,7 +28,8 @@ def test_a_run_on_this_machine_has_a_slot_for_each_replica_and_spare_taken_and_g
         host, slot = policies.place(hosts.rooms())
         hosts.take(replica, host, slot)
     assert hosts.rooms() == {0: (4, {0, 1, 2, 3})} and policies.place(hosts.rooms()) is None
-    assert hosts.env_for(2) == {"MONARCH_PLUGIN_BIND_ADDR": "127.0.0.1"}  # no watcher: no lease, no GPUs on CPU
+    # No watcher: no lease, no GPUs on CPU; the controller's pid, whose end is its loss (`worker.orphan`).
+    assert hosts.env_for(2) == {"MONARCH_PLUGIN_BIND_ADDR": "127.0.0.1", "MONARCH_PLUGIN_CONTROLLER_PID": str(os.getpid())}
     hosts.release(2)
     assert hosts.rooms() == {0: (4, {0, 1, 3})} and policies.place(hosts.rooms()) == (0, 2)
 

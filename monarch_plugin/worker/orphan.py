@@ -1,0 +1,113 @@
+"""What a worker proc does when its controller is lost: it saves the run's last committed step, then ends.
+
+The controller is one process on one machine, and Monarch's root has no failover: the OOM killer, a panic or a lost
+node takes it like any other process. Its replicas hold the trained state in memory, and until this module they
+ended with it, so a relaunch went back to the last periodic checkpoint (or to the start). Now a proc that loses its
+controller (`lost`: its process ended on its machine, `watch`; elsewhere its lease on the controller's store ran
+out, `procs.lease`):
+- ends every wait of its training thread as a stop does (`Flags.lose_controller`): a step whose reduction had
+  completed commits (the reduction needs no controller), one still waiting for it is dropped;
+- at its next step boundary (`StepTransaction.sync`), if it is a proc of the generation's first replica (rank 0),
+  writes the step its state holds with the front end's own checkpoint, as when the run gives up (`save`). It holds
+  the run's locks while it writes (`runlock.hold`): a controller that is alive but cut off holds them still, and so
+  does a relaunch already started on the same files; then nothing is written, and the run's files never get a
+  second writer. Every other replica writes nothing;
+- ends (`os._exit`) once that is done, and at the latest `controller_loss_save_s` after the loss, written or not.
+  A proc too wedged to run that thread is ended by whoever started it: its forkserver client or its watchdog on
+  the controller's machine (`procs.forkserver`, `procs.notice`), its host agent elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import threading
+import time
+
+from monarch_plugin.errors import ConfigError, ProtocolError
+from monarch_plugin.storage import runlock
+from monarch_plugin.worker import context
+
+__all__ = ["EXIT_CODE", "lost", "save", "watch"]
+
+EXIT_CODE = 17
+"""How a proc that lost its controller exits (as one whose lease ran out)."""
+
+
+def watch(pid: int, on_lost) -> None:
+    """Call `on_lost(why)` when the process `pid` (the controller, on this machine) ends: at once, by its pidfd."""
+
+    def wait() -> None:
+        try:
+            select.select([os.pidfd_open(pid)], [], [])
+        except OSError:
+            pass  # gone already
+        on_lost("the controller's process ended")
+
+    threading.Thread(target=wait, name="monarch-plugin-controller-watch", daemon=True).start()
+
+
+_told = threading.Lock()
+
+
+def lost(why: str, bound_s: float, what: str) -> None:
+    """The controller is lost (`why`): stop training, save at the next step boundary, end within `bound_s`."""
+    if not _told.acquire(blocking=False):
+        return
+    _say(f"{what}: {why}: the generation's first replica writes the last committed step; this proc ends within "
+         f"controller_loss_save_s {bound_s:g} s")
+    context.flags.lose_controller(why)
+    threading.Thread(target=_end_after, args=(bound_s,), name="monarch-plugin-orphan-bound", daemon=True).start()
+
+
+def save(tx) -> None:
+    """At a step boundary of a proc whose controller is lost: write the run's checkpoint if this proc is one of the
+    generation's first replica and holds a committed step, then end the process. Never returns."""
+    ctx, path, skipped = tx.ctx, None, None
+    if tx.rank != 0:
+        skipped = "another replica writes it"
+    elif tx.held is None:
+        skipped = "the state was being replaced (a heal or a restore) when the controller was lost"
+    else:
+        locks, refused = [], None
+        if ctx.local_rank == 0:
+            try:
+                locks = runlock.hold(ctx.config)
+            except ConfigError as e:  # held: the controller is alive (cut off), or a relaunch has started
+                refused = f"the run's files are held: {e}"
+        try:
+            if tx.session.any_of(refused is not None):  # a replica's procs write together or not at all
+                skipped = refused or "its local rank 0 could not take the run's locks"
+            else:
+                path = tx.write_held()
+        except (Exception, ProtocolError) as e:  # noqa: BLE001 - said in the event; the proc ends either way
+            skipped = f"the write failed: {type(e).__name__}: {e}"
+        finally:
+            for lock in locks:
+                lock.release()
+    ctx.events.emit("controller_lost", replica=ctx.replica_id, lane=ctx.local_rank, gen=tx.gen, step=tx.held,
+                    checkpoint=path, reason=ctx.flags.lost, **({"skipped": skipped} if skipped else {}))
+    if path is not None:
+        _say(f"replica {ctx.replica_id}: the controller was lost; wrote the last committed step {tx.held} to "
+             f"{path}: relaunch with --resume auto (or the front end's own resume) to go on from it")
+    _end()
+
+
+def _end_after(bound_s: float) -> None:
+    time.sleep(bound_s)
+    _say(f"the controller was lost {bound_s:g} s ago (`controller_loss_save_s`): ending now")
+    _end()
+
+
+def _say(message: str) -> None:
+    print(f"monarch-plugin: {message}", file=sys.stderr, flush=True)
+
+
+def _end() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(EXIT_CODE)
