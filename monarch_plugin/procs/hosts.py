@@ -149,8 +149,8 @@ class Hosts:
         from monarch.actor import enable_transport
 
         enable_transport(f"tcp://{self.config.store_host}:0")  # before any other Monarch call
-        if self._agents is not None:
-            self._agents.start()
+        if self._agents is not None:  # for this run only: they end once it has lost its controller (`procs.slurm`)
+            self._agents.start(f"tcp://{self.config.store_host}:{store.port}")
             self._agents.wait_listed(self.config.join_timeout_s)
         addresses = list(dict.fromkeys(self.config.hosts + self._listed()))
         self._tried.update(addresses)
@@ -259,7 +259,7 @@ class Hosts:
         for its imports, and says in an event how long), else as fresh interpreters; either way catching the signals
         with notice (`notice`), and outliving a lost controller by `controller_loss_save_s` (`ORPHAN_ENV`)."""
         command = self._start_command()
-        command.env[ORPHAN_ENV] = str(self._orphan_s)
+        command.env = {**command.env, ORPHAN_ENV: str(self._orphan_s)}  # Monarch's `env` reads as a copy
         return command
 
     def _start_command(self):

@@ -54,6 +54,11 @@ def install(act: Callable[[str], bool] | None = None) -> None:
     os.set_blocking(write, False)
     for sig in NOTICE_SIGNALS:
         signal.signal(sig, _ignore)
+    if act is None:
+        # A proc's process group is orphaned when the controller ends, and then, if any member is stopped, the kernel
+        # sends SIGHUP to every member: a proc must outlive its controller long enough to save the run
+        # (`worker.orphan`), and no terminal's hangup is a proc's to act on.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     threading.Thread(target=_relay, args=(read, act or _tell), name="monarch-plugin-notice", daemon=True).start()
 

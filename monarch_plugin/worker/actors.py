@@ -103,6 +103,12 @@ class ReplicaActor(Actor):
         """`stage` of an error tells the controller whether the target could not even be loaded here (a
         module the replica cannot import) or the training code raised."""
         context.reset()
+        outcome = self._run(target)
+        if context.flags.lost:  # no controller is left to hear it (a stop's checkpoint written meanwhile, say)
+            orphan.returned(outcome.status)
+        return outcome
+
+    def _run(self, target: Target) -> Outcome:
         t0 = time.time()
         stage = "load"
         try:

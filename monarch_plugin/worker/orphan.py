@@ -29,7 +29,7 @@ from monarch_plugin.errors import ConfigError, ProtocolError
 from monarch_plugin.storage import runlock
 from monarch_plugin.worker import context
 
-__all__ = ["EXIT_CODE", "lost", "save", "watch"]
+__all__ = ["EXIT_CODE", "lost", "returned", "save", "watch"]
 
 EXIT_CODE = 17
 """How a proc that lost its controller exits (as one whose lease ran out)."""
@@ -91,6 +91,13 @@ def save(tx) -> None:
     if path is not None:
         _say(f"replica {ctx.replica_id}: the controller was lost; wrote the last committed step {tx.held} to "
              f"{path}: relaunch with --resume auto (or the front end's own resume) to go on from it")
+    _end()
+
+
+def returned(status: str) -> None:
+    """The training code returned (`status`: ok, stopped, error) after the controller was lost, with no step boundary
+    between (a stop's checkpoint it was writing, its code after the loop): nobody is left to hear of it; end now."""
+    _say(f"the training code returned ({status}) after the controller was lost: ending now")
     _end()
 
 

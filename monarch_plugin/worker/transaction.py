@@ -139,8 +139,9 @@ class StepTransaction:
                 with _runtime_part("join"):
                     session.join(self.held, patient=True)
                 self._hold(session.provider.step)
-        except (StopReplica, ProtocolError):
-            if session.flags.lost:  # lost mid-join: what this proc holds still is the run's, if it holds a step
+        except (StopReplica, ProtocolError) as e:
+            # Lost mid-join: what this proc holds is still the run's, if it holds a step (and wrote none just now).
+            if session.flags.lost and getattr(e, "checkpoint", None) is None:
                 orphan.save(self)
             raise
         self._on_join()

@@ -93,9 +93,10 @@ class ElasticRun:
             return ""
 
     def kill_controller(self, within: float = 30.0) -> None:
-        """SIGKILL the controller (its machine is gone) and wait for every replica, and the forkserver they were
-        forked from, to end with it."""
-        os.kill(self.proc.pid, signal.SIGKILL)
+        """SIGKILL the controller (its machine is gone), unless the test did already, and wait for every replica, and
+        the forkserver they were forked from, to end after it (`worker.orphan`: once they saved the run)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
         self.wait(timeout=30)
         deadline = time.monotonic() + within
         servers = [e["pid"] for e in self.events("forkserver")]
