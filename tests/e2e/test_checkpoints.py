@@ -29,19 +29,21 @@ def _steps(run) -> list[dict]:
 
 def test_a_lanes_failed_write_keeps_the_newest_complete_checkpoint_which_another_shape_resumes_exactly(elastic_run):
     """2 replicas of 2 FSDP procs checkpoint every 4 steps, keeping 1; from step 12 on, lane 1's file name is taken
-    by a directory, so its writes fail while lane 0's succeed. The controller is SIGKILLed after such a failure:
-    step 8's checkpoint is still there, whole (a lane pruning by itself once deleted it), and 3 replicas of 1 proc
+    by a directory, so its writes fail while lane 0's succeed. The controller is SIGKILLed after such a failure, and
+    the save of the step held fails the same way: step 8's checkpoint is still there, whole (a lane pruning by itself once deleted it), and 3 replicas of 1 proc
     each, without FSDP, resume it: the same global batches from step 8 on, every sample once per epoch."""
     first = elastic_run()
     ckpt = first.tmp / "ckpt"
     first.start("--replicas", "2", "--procs-per-replica", "2", "--checkpoint-steps", str(EVERY), "--checkpoint-keep",
                 "1", script=WORKLOADS / "logged_loop.py", script_args=(*LOOP, "--fsdp", "--out", str(first.out)))
     first.wait_for(lambda: first.events("run_start"), timeout=120, what="the run's start")  # it cleaned the dir
-    for step in range(12, TOTAL + 1, EVERY):
+    for step in range(12, TOTAL + 1):  # the periodic ones, and the one the controller's loss has written
         os.makedirs(ckpt / f"step{step:08d}" / "__1_0.distcp")  # lane 1's part of that checkpoint: a directory
     first.wait_for(lambda: first.events("checkpoint_failed"), timeout=120, what="a failed checkpoint write")
     first.kill_controller()
     assert [e["step"] for e in first.events("checkpoint")] == [4, 8], first.events("checkpoint")
+    [writer] = [e for e in first.events("controller_lost") if e["replica"] == 0 and e["lane"] == 0]
+    assert "IsADirectoryError" in writer["skipped"] or "failed" in writer["skipped"], writer  # its save failed too
     assert first.events("checkpoint_failed")[0]["step"] == 12 and "IsADirectoryError" in \
         first.events("checkpoint_failed")[0]["error"]
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step"))[0] == "step00000008"

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from support.procs import alive
+from support.procs import alive, parent
 from support.runs import WORKLOADS
 from monarch_plugin.storage.checkpoint import step_path
 
@@ -70,6 +70,8 @@ def test_a_killed_controller_costs_at_most_the_step_in_flight_and_resume_auto_go
     killed.start("--replicas", "3", "--checkpoint-steps", "5", script=WORKLOADS / "logged_loop.py",
                  script_args=(*LOOP, "--out", str(killed.out)))
     killed.wait_for(lambda: len(_steps(killed)) >= 17, timeout=120, what="17 committed steps")
+    [server] = killed.events("forkserver")  # its procs outlive the controller by the forkserver's leave
+    assert server["ready"] and all(parent(p) == server["pid"] for pids in killed.pids().values() for p in pids)
     t0 = time.monotonic()
     killed.kill_controller(within=20)
     gone_s = time.monotonic() - t0

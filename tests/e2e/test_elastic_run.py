@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import subprocess
 import sys
 
@@ -222,14 +223,17 @@ def test_the_forkserver_killed_takes_no_replica_and_a_replacement_starts_as_a_fr
     assert not any(alive(p) for ps in run.pids().values() for p in ps)
 
 
-def test_replicas_that_outlived_their_forkserver_still_end_with_a_lost_controller(elastic_run):
+def test_replicas_that_outlived_their_forkserver_still_end_after_a_lost_controller(elastic_run):
     """Once the forkserver is gone nothing of it ends the procs it forked: their stand-ins (Monarch's processes) watch
-    the controller's process, and SIGKILL their proc when it goes, a stopped one too."""
+    the controller's process, give their proc `--controller-loss-save` to save the run when it goes, and SIGKILL it
+    then, one wedged holding the GIL too."""
     run = elastic_run()
-    run.start("--replicas", "2", script=WORKLOADS / "held_loop.py",
-              script_args=("--replicas", "2", "--epochs", "40", "--out", str(run.out)))
+    run.start("--replicas", "2", "--controller-loss-save", "3", "--fault", "gil:replica=0:step=6",
+              script=WORKLOADS / "held_loop.py", script_args=("--replicas", "2", "--epochs", "40", "--out", str(run.out)))
     run.wait_for(lambda: run.progress(0) >= 3, timeout=120, what="step 3")
     [server] = run.events("forkserver")
     os.kill(server["pid"], signal.SIGKILL)
-    os.kill(run.pids()[0][0], signal.SIGSTOP)
+    run.wait_for(lambda: run.events("fault_injected"), timeout=60, what="replica 0 wedged")
+    t0 = time.monotonic()
     run.kill_controller(within=10)
+    assert time.monotonic() - t0 > 2.5, "the wedged proc was given the bound"
