@@ -383,10 +383,18 @@ class MonarchStrategy(ParallelStrategy):
                 closure()
 
     def _write_give_up_checkpoint(self, committed: int) -> Optional[str]:
+        """The checkpoint of the last committed step, when the controller gives up or is lost: beside the
+        `ModelCheckpoint`'s own files when the trainer has one, so that the newest file there, what a relaunch passes
+        to `fit(ckpt_path=...)`, is this one (written last, so newest by time; its own name, so it never replaces a
+        file the callback keeps track of); else in `checkpoint_dir`."""
         self._update_rank_zero()  # the replica's first proc writes (every one takes part: FSDP gathers)
         config = self._ctx.config
-        make_dirs(config.checkpoint_dir, config.share_files)  # 0700 unless `share_files`
-        path = os.path.abspath(os.path.join(config.checkpoint_dir, f"step{committed:08d}.ckpt"))
+        folder = getattr(self.lightning_module.trainer.checkpoint_callback, "dirpath", None)
+        if not folder:
+            folder = config.checkpoint_dir
+            make_dirs(folder, config.share_files)  # 0700 unless `share_files`
+        path = os.path.join(folder, f"step{committed:08d}.ckpt")
+        path = path if "://" in path else os.path.abspath(path)  # the IO makes a local callback's folder
         with self._progress_at_window_start():
             self.lightning_module.trainer.save_checkpoint(path)
         return path if self.is_global_zero else None

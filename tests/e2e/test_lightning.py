@@ -495,24 +495,41 @@ def test_the_last_holder_dying_mid_heal_stops_fit_naming_the_newest_modelcheckpo
 
 
 @pytest.mark.timeout(300)
-def test_lost_controller_costs_the_steps_since_modelcheckpoint_and_fit_resumes_exactly_on_fewer_replicas(
+def test_lost_controller_costs_at_most_the_step_in_flight_and_fit_resumes_from_modelcheckpoints_newest_file(
         lightning_run):
-    """The launching process (Lightning's controller) is SIGKILLed mid-epoch: its replicas end with it. fit resumes
-    from ModelCheckpoint's newest file on 2 replicas instead of 3, with batch_size raised so the global batch (and so
-    the run) stays the same: it ends equal to one process that never stopped."""
+    """The launching process (Lightning's controller) is SIGKILLed mid-epoch, 2 steps after ModelCheckpoint's last
+    file: its replicas do not end with it. They stop at the next step boundary, and the generation's first replica
+    writes the last committed step as the trainer's own `.ckpt`, beside ModelCheckpoint's files, so that the newest
+    file there (what a relaunch passes to `fit(ckpt_path=...)`) is that step: at most the step in flight is lost, not
+    the steps since ModelCheckpoint's last. fit resumes it on 2 replicas instead of 3, with batch_size raised so the
+    global batch (and so the run) stays the same: it ends equal to one process that never stopped."""
     common = ("--epochs", "4", "--samples", "240")  # a global batch of 24: 10 steps an epoch, 40 in all
     killed = lightning_run().start("--devices", "3", "--batch", "8", "--checkpoint-every", "5", "--step-sleep", "0.1",
                                    *common)
     single = lightning_run().start("--strategy", "single", "--devices", "3", "--batch", "8", *common)
     killed.wait_for(lambda: killed.progress(0) >= 17, timeout=150, what="17 committed steps")
-    killed.kill_controller()
-    # Each checkpoint file is whole (written to a temporary name, then renamed), so the newest one loads.
-    saved = sorted(int(p.stem.split("=")[1]) for p in (killed.out / "ckpts").glob("step=*.ckpt"))
-    assert saved[:3] == [5, 10, 15] and not list((killed.out / "ckpts").glob("*.tmp*")), saved
-    newest = killed.out / "ckpts" / f"step={saved[-1]}.ckpt"
+    killed.kill_controller()  # the procs end once the writer has written (`worker.orphan`)
+    committed = max(killed.progress(r) for r in range(3))  # each replica's global_step after its last batch
+    lost = killed.events("controller_lost")
+    assert sorted(e["replica"] for e in lost) == [0, 1, 2], (lost, killed.output)
+    [writer] = [e for e in lost if e["checkpoint"]]
+    held = writer["step"]
+    assert writer["replica"] == 0 and {e["step"] for e in lost} == {held}, lost
+    assert {e["skipped"] for e in lost if e is not writer} == {"another replica writes it"}, lost
+    # Named for its step, beside ModelCheckpoint's files (each whole: written to a temporary name, then renamed).
+    ckpts = killed.out / "ckpts"
+    assert writer["checkpoint"] == str(ckpts / f"step{held:08d}.ckpt"), writer
+    assert [c["path"] for c in killed.events("checkpoint")] == [writer["checkpoint"]]
+    saved = sorted(int(p.stem.split("=")[1]) for p in ckpts.glob("step=*.ckpt"))
+    assert saved[:3] == [5, 10, 15] and held > saved[-1] and not list(ckpts.glob("*.tmp*")), (saved, held)
+    newest = max(ckpts.glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    assert str(newest) == writer["checkpoint"], newest
 
     resumed = lightning_run().start("--devices", "2", "--batch", "12", "--resume", str(newest), *common)
     _resumed_like_one_process(resumed, single, steps=40)
+    # It went on from the saved step: what the kill cost is at most the step in flight.
+    assert min(e["step"] for e in resumed.events("first_commit")) == held
+    assert committed - held <= 1, (committed, held)
 
 
 class _NotCPU(Accelerator):
