@@ -17,6 +17,24 @@ holds each step's output; a node from another job joins the run by starting its 
 The steps end with the run: each srun is told twice within a second (SIGINT), which is SLURM's way of aborting a
 step (its tasks are killed, wherever they are). A node's step that ends before (its node failed) is logged and
 left: the controller learns of the node's loss from its watcher's silence, as for any host.
+
+A `monarch-run` that is SIGKILLed (its node's OOM killer, a user's `kill -9`) tells no srun anything, and its steps
+would serve on until the job ends, their agents holding the node's `AGENT_PORT`, so that a relaunch in the same
+allocation could start none. So each agent is started for this run only (`--run-store`, the run's store, which lives
+in the controller's process; `procs.agent`): once that store has refused connections for the run's lease (the
+controller's process is gone, its machine is up), the agent waits for its procs, which write the run's last
+committed step and end by themselves (`worker.orphan`), and exits, and its step ends with it. The bound, from the
+kill to the last step's end: `agent.outlive_bound_s`, the lease (`host_timeout_s` less 2 s) and a probe, plus
+`controller_loss_save_s`, plus 5 s, about 69 s by default; in practice the lease plus the time to finish the step in
+flight and write it. The step is not aborted from outside (a PR_SET_PDEATHSIG on srun, say): SLURM's abort kills the
+tasks at once, the replicas among them, before they could save. A batch script that `exec`s `monarch-run` ends the
+job with it: SLURM then gives the steps only `KillWait` (30 s by default) between SIGTERM and SIGKILL.
+
+A relaunch in the same allocation (`monarch-run ... || monarch-run --resume auto ...` in the batch script) finds the
+steps the killed run left still there while they save: it waits for them to end before it takes the run's files
+(`await_earlier_agents`), so that the save is not refused for a run holding them and its own agents can listen,
+and resumes from what they wrote. Agents a user started (`monarch-plugin host`, no `--run-store`) are not this
+allocation's run steps: they stay for the next run, as before.
 """
 
 from __future__ import annotations
@@ -36,7 +54,7 @@ from monarch_plugin.net import route_address
 from monarch_plugin.errors import ConfigError, RunStopped
 from monarch_plugin.events import EventLog
 
-__all__ = ["AGENT_PORT", "Allocation", "Agents", "for_run", "requeue"]
+__all__ = ["AGENT_PORT", "Allocation", "Agents", "await_earlier_agents", "for_run", "requeue"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +70,60 @@ def for_run(config: ElasticConfig) -> tuple[ElasticConfig, Agents]:
     config = replace(config, hosts_file=config.hosts_file or os.path.join(directory, "hosts"),
                      token_file=config.token_file or os.path.join(directory, "token"),
                      store_host=config.store_host or route_address(allocation.agent(next(iter(allocation.nodes)))))
-    agents = Agents(allocation, config.hosts_file, config.token_file)
+    await_earlier_agents(config)  # `monarch-run` waited already, before taking the run's files; a front end waits here
+    agents = Agents(allocation, config.hosts_file, config.token_file, config.host_timeout_s,
+                    config.controller_loss_save_s)
     agents.prepare()
     return config, agents
+
+
+_STEP_PREFIX = "monarch-agent-"
+"""How each node's agent step is named (`--job-name`): what `squeue -s` lists it by."""
+
+
+def _agent_steps(job: str) -> list[str]:
+    """The job's agent steps still running (`JOB.STEP`); none if squeue cannot say."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i %j"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.debug("squeue failed (%s): not looking for an earlier run's agent steps", e)
+        return []
+    if done.returncode != 0:
+        log.debug("squeue failed (%s): not looking for an earlier run's agent steps", done.stderr.strip())
+        return []
+    return [line.split()[0] for line in done.stdout.splitlines()
+            if len(line.split()) == 2 and line.split()[1].startswith(_STEP_PREFIX)]
+
+
+def await_earlier_agents(config: ElasticConfig) -> None:
+    """Before a run in a SLURM allocation starts (and before it takes its files): wait for the agent steps that an
+    earlier run of this job left running to end, at most for their bound (from this run's settings, and 10 s).
+
+    A run's agent steps outlive its `monarch-run` only when that was killed (a run that ends stops them): they are
+    still saving its last committed step, which this run resumes from, and they end by themselves once that is
+    written (module docstring). Taking the run's files meanwhile would make the save refuse to write (`worker.orphan`
+    writes only while it can hold them), and their agents still hold the nodes' `AGENT_PORT`. Said in the log; if
+    they outlast the wait, this run goes on and says how to end them."""
+    from monarch_plugin.procs.agent import outlive_bound_s
+
+    job = os.environ.get("SLURM_JOB_ID")
+    steps = _agent_steps(job) if job and config.slurm else []
+    if not steps:
+        return
+    bound = outlive_bound_s(config.host_timeout_s, config.controller_loss_save_s) + 10.0
+    log.warning("SLURM job %s still has %d host agent step(s) of an earlier run whose controller is gone (%s): "
+                "waiting up to %.0f s for them to end; their replicas write its last committed step first, which "
+                "`resume` \"auto\" goes on from", job, len(steps), ", ".join(steps), bound)
+    t0 = time.monotonic()
+    while steps and time.monotonic() - t0 < bound:
+        time.sleep(0.5)
+        steps = _agent_steps(job)
+    if steps:
+        log.error("the earlier run's agent step(s) %s still run after %.0f s: going on; if this run's agents cannot "
+                  "listen, end those with `scancel %s`", ", ".join(steps), bound, " ".join(steps))
+    else:
+        log.warning("the earlier run's agent steps ended after %.1f s", time.monotonic() - t0)
 
 
 def _scontrol(*args: str) -> str:
@@ -105,11 +174,15 @@ def _resolve(address: str) -> str:
 
 
 class Agents:
-    """One `srun` step per node of the allocation, each running that node's agent; `stop()` ends them."""
+    """One `srun` step per node of the allocation, each running that node's agent; `stop()` ends them. Started for a
+    run (`start(run_store)`), each agent also ends by itself once the run's controller is gone, with the run's
+    `host_timeout_s` and `controller_loss_save_s` (module docstring)."""
 
-    def __init__(self, allocation: Allocation, hosts_file: str, token_file: str):
+    def __init__(self, allocation: Allocation, hosts_file: str, token_file: str, host_timeout_s: float = 5.0,
+                 controller_loss_save_s: float = 60.0):
         self.allocation = allocation
         self.hosts_file, self.token_file = hosts_file, token_file
+        self.host_timeout_s, self.controller_loss_save_s = host_timeout_s, controller_loss_save_s
         self.dir = Path(hosts_file).parent
         self.steps: dict[str, subprocess.Popen] = {}
 
@@ -123,16 +196,21 @@ class Agents:
         os.fchmod(fd, 0o644)  # whatever the umask: a run refuses a hosts file others may write
         os.close(fd)
 
-    def start(self) -> None:
+    def start(self, run_store: str | None = None) -> None:
+        """A step on each node. `run_store` (`tcp://IP:PORT`): the run's store, whose end ends the agents (without
+        it, as for the doctor's, they serve until `stop()`)."""
+        serving = [] if run_store is None else [
+            "--run-store", run_store, "--host-timeout", f"{self.host_timeout_s:g}",
+            "--controller-loss-save", f"{self.controller_loss_save_s:g}"]
         for node in self.allocation.nodes:
             out = open(self.dir / f"agent-{node}.log", "ab")
             with out:
                 self.steps[node] = subprocess.Popen(
                     ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap", "--whole",
-                     "--kill-on-bad-exit=0", f"--job-name=monarch-agent-{node}",
+                     "--kill-on-bad-exit=0", f"--job-name={_STEP_PREFIX}{node}",
                      sys.executable, "-m", "monarch_plugin", "host",
                      "--address", self.allocation.agent(node), "--hosts-file", self.hosts_file,
-                     "--token-file", self.token_file],
+                     "--token-file", self.token_file, *serving],
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         log.info("started a host agent on each of the allocation's %d nodes (job %s): %s",
                  len(self.steps), self.allocation.job_id, ", ".join(self.steps))

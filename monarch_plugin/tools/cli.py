@@ -95,8 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"monarch-run: error: {_spelled(e)}", file=sys.stderr)
         return 2
+    from monarch_plugin.procs.slurm import await_earlier_agents
     from monarch_plugin.storage.runlock import hold
 
+    # Relaunched in a SLURM allocation whose last `monarch-run` was killed: its agent steps are saving its last
+    # committed step, which they can only while no run holds the files; they end by themselves.
+    await_earlier_agents(config)
     try:
         held = hold(config)  # a second run on this run's files is refused before anything is spawned
     except ConfigError as e:
@@ -201,6 +205,18 @@ def plugin(argv: list[str] | None = None) -> int:
                       help="the job's token (`monarch-plugin token PATH`): the line appended to --hosts-file carries "
                            "an HMAC of the address under it, and a run started with `--token-file PATH` attaches "
                            "only lines that carry one")
+    host.add_argument("--run-store", metavar="tcp://IP:PORT",
+                      help="serve this one run only (how `monarch-run` starts each node's agent under SLURM): once "
+                           "the run's store, in its controller's process, has refused connections for the run's "
+                           "lease, wait for this host's procs to save the run and end, then exit. Without it the "
+                           "agent stays for the next run")
+    host.add_argument("--host-timeout", type=float, default=_default_of("host_timeout_s"), metavar="SECONDS",
+                      help="with --run-store: the run's --host-timeout, which its lease is made from "
+                           "(default: %(default)s)")
+    host.add_argument("--controller-loss-save", type=float, default=_default_of("controller_loss_save_s"),
+                      metavar="SECONDS", help="with --run-store: the run's --controller-loss-save, how long its "
+                                              "procs may take to save once its controller is gone "
+                                              "(default: %(default)s)")
     token = commands.add_parser(
         "token", help="make a multi-host job's token once, before its agents and its run start",
         description="Write a new random token to PATH, readable by this user only (0600); an existing token file is "
@@ -242,7 +258,13 @@ def plugin(argv: list[str] | None = None) -> int:
         return doctor(ns)
     from monarch_plugin.procs.agent import serve
 
-    return serve(ns.address, ns.hosts_file, ns.token_file)
+    return serve(ns.address, ns.hosts_file, ns.token_file, ns.run_store, ns.host_timeout,
+                 ns.controller_loss_save)
+
+
+def _default_of(name: str):
+    """The default of `ElasticConfig`'s field `name`."""
+    return field_default(next(f for f in dataclasses.fields(ElasticConfig) if f.name == name))
 
 
 def _token(path: str) -> int:

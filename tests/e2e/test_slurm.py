@@ -10,6 +10,8 @@ the way a machine does: every process in its namespace is SIGKILLed, its slurmd 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from support import slurm
-from support.procs import alive
+from support.procs import alive, parent
 from support.runs import WORKLOADS
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(slurm.available() is not None,
@@ -339,4 +341,113 @@ exec {BIN / 'monarch-plugin'} doctor --timeout 60
     assert sorted(r[0] for r in rows) == [f"tcp://{cluster.net.ip(i)}:26600" for i in (0, 1)], out
     assert {r[1] for r in rows} == {"ok"} and "2 host(s) checked" in out and "no errors" in out, out
     assert not list(job.dir.glob("monarch-doctor-*"))
+    job.nothing_outlives([0, 1])
+
+
+def _commands(cluster: slurm.SlurmCluster, i: int) -> dict[int, str]:
+    """Every process in node i's namespace, with its command line."""
+    found = {}
+    for pid in cluster.net.pids(i):
+        try:
+            found[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            pass  # it ended meanwhile
+    return found
+
+
+def test_a_sigkilled_monarch_run_leaves_no_agent_step_behind_once_its_replicas_saved_and_the_relaunch_resumes(
+        cluster, tmp_path):
+    """`monarch-run ... || monarch-run --resume auto ...` in a batch script of two nodes, and the first `monarch-run`
+    SIGKILLed mid-training from outside (its node's OOM killer, say): it tells its agent steps nothing. Its replicas
+    notice by their leases and the generation's first writes the last committed step; each node's agent, started for
+    that run only, sees its store refuse connections, waits for its procs to end and exits, so both steps end within
+    the bound (`agent.outlive_bound_s`) and nothing of the run is left on either node. The relaunch, started by the
+    script at once, waits for those steps before taking the run's files (or the save would be refused), then attaches
+    to both nodes and trains to the exact step count from the saved step: no committed step lost."""
+    from monarch_plugin.procs.agent import outlive_bound_s
+    from monarch_plugin.storage.checkpoint import step_path
+
+    samples, batch, epochs, timeout, save = 240, 24, 10, 4, 20
+    total = epochs * samples // batch  # 100 steps
+    run = (f"{BIN / 'monarch-run'} --replicas 2 --replicas-per-host 1 --host-timeout {timeout} "
+           f"--controller-loss-save {save} --checkpoint-dir ckpt --checkpoint-steps 50 --join-timeout 120")
+    loop = f"{WORKLOADS / 'logged_loop.py'} --samples {samples} --batch {batch} --epochs {epochs}"
+    job = Job(cluster, tmp_path / "run", f"""#!/bin/bash
+#SBATCH --nodes=2 --no-kill
+mkdir -p out1 out2
+{run} --events events-1.jsonl {loop} --step-sleep 0.15 --out out1 || \\
+    exec {run} --resume auto --events events-2.jsonl {loop} --step-sleep 0.02 --out out2
+""")
+
+    def steps(out: str) -> list[dict]:
+        path = job.dir / out / "steps.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    job.wait_for(lambda: len(steps("out1")) >= 15, 200, "15 committed steps")
+    agent_steps = [line.split()[0] for line in cluster.run("squeue", "-h", "-s", "-j", str(job.id), "-o",
+                                                           "%i %j").stdout.splitlines() if " monarch-agent-" in line]
+    assert len(agent_steps) == 2, agent_steps
+    on = [_commands(cluster, i) for i in (0, 1)]
+    [controller] = [p for p, cmd in on[0].items() if "monarch-run" in cmd and "events-1.jsonl" in cmd]
+    sruns = [p for p, cmd in on[0].items() if cmd.startswith("srun ") and "--job-name=monarch-agent-" in cmd]
+    agents = [p for node in on for p, cmd in node.items() if " -m monarch_plugin host " in cmd and p not in sruns]
+    stepds = [p for node in on for p, cmd in node.items() if cmd.startswith("slurmstepd:")
+              and any(f"[{s}]" in cmd for s in agent_steps)]
+    assert len(agents) == 2 and len(sruns) >= 2 and len(stepds) == 2, "\n".join(
+        f"{p} (parent {parent(p)}): {cmd}" for node in on for p, cmd in node.items())
+    assert all("--run-store tcp://" in on[i][p] for i in (0, 1) for p in agents if p in on[i])
+    workers = [pid for s in job.events("spawn", "events-1.jsonl") for pid in s["pids"]] + [
+        e["watcher_pid"] for e in job.events("host_up", "events-1.jsonl")]
+    assert len(workers) == 4 and all(alive(p) for p in workers), workers
+
+    os.kill(controller, signal.SIGKILL)
+    t0 = time.monotonic()
+    bound = outlive_bound_s(timeout, save)
+    left = [*agents, *sruns, *stepds, *workers]
+    saved_s = gone_s = None
+    while gone_s is None:
+        now = time.monotonic() - t0
+        if saved_s is None and [e for e in job.events("controller_lost", "events-1.jsonl") if e["checkpoint"]]:
+            saved_s = now
+        if not any(alive(p) for p in left):
+            gone_s = now
+        assert now < bound + 15, ({p: alive(p) for p in left}, job.output())
+        time.sleep(0.1)
+    print(f"\nSIGKILL -> checkpoint written: {saved_s:.1f} s; -> agents, steps and replicas gone: {gone_s:.1f} s "
+          f"(bound {bound:g} s)")
+    assert saved_s is not None and gone_s <= bound + 3, (saved_s, gone_s, bound)  # + the step's teardown
+
+    # The generation's first replica wrote the step it held; every other proc says why it wrote none.
+    lost = job.events("controller_lost", "events-1.jsonl")
+    [writer] = [e for e in lost if e["checkpoint"]]
+    assert all(e["skipped"] for e in lost if e is not writer) and len(lost) == 2, lost
+    before = steps("out1")
+    start = writer["step"]
+    assert writer["checkpoint"] == step_path(str(job.dir / "ckpt"), start), writer
+    assert len(before) <= start <= len(before) + 1, (start, len(before))  # at most the step in flight uncounted
+    assert start < 50, "the save is the step held, not a periodic checkpoint's"
+
+    job.completed(240)
+    # The relaunch, started as the first `monarch-run` died, waited for the steps it left (unless they were gone
+    # before it looked).
+    out = job.log.read_text()
+    waited = "host agent step(s) of an earlier run" in out
+    assert not waited or "the earlier run's agent steps ended after" in out, out
+    print(f"the relaunch {'waited for' if waited else 'found no'} agent steps of the killed run")
+    [resume] = job.events("resume", "events-2.jsonl")
+    assert resume["path"] == writer["checkpoint"], resume
+    address = {f"tcp://{cluster.net.ip(i)}:26600" for i in (0, 1)}
+    assert {e["address"] for e in job.events("host_up", "events-2.jsonl")} == address
+    assert {s["host"] for s in job.events("spawn", "events-2.jsonl")} == address
+    after = steps("out2")
+    assert [r["step"] for r in after] == list(range(start, total)), [r["step"] for r in after]
+    for old, new in zip(before[start:], after):  # a step trained before the kill and again after: the same
+        assert old["batch"] == new["batch"] and new["loss"] == pytest.approx(old["loss"], rel=1e-5), (old, new)
+    for epoch in range(epochs):
+        trained = [i for r in before[:start] + after if r["epoch"] == epoch for i in r["batch"]]
+        assert sorted(trained) == list(range(samples)), epoch
+    results = [json.loads(p.read_text()) for p in (job.dir / "out2").glob("result-*.json")]
+    assert len(results) == 2 and {r["step"] for r in results} == {total}, results
+    assert len({r["checksum"] for r in results}) == 1
+    assert not any(alive(p) for p in left)
     job.nothing_outlives([0, 1])
