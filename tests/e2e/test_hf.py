@@ -249,36 +249,54 @@ def test_an_exception_in_one_replica_is_replaced_and_the_same_in_both_stops_with
 
 
 @pytest.mark.timeout(300)
-def test_lost_controller_costs_the_steps_since_save_steps_and_train_resumes_exactly_on_fewer_replicas(hf_run):
-    """monarch-run, HF's controller here, is SIGKILLed mid-epoch: its replicas end with it. `train(
-    resume_from_checkpoint=...)` from the newest checkpoint on 2 replicas instead of 3, with
-    per_device_train_batch_size raised so that the global batch stays 12, ends equal to a run that never stopped."""
+def test_lost_controller_costs_at_most_the_step_in_flight_and_train_resumes_the_newest_checkpoint_from_it(hf_run):
+    """monarch-run, HF's controller here, is SIGKILLed mid-epoch, 2 steps after the last `save_steps` checkpoint: its
+    replicas do not end with it. They stop at the next step boundary, and the generation's first replica writes the
+    last committed step as HF's own `checkpoint-N` in output_dir, which `train(resume_from_checkpoint=True)` takes
+    as the newest: at most the step in flight is lost, not the steps since the last save. The relaunch, on 2
+    replicas instead of 3 with per_device_train_batch_size raised so that the global batch stays 12, ends equal to
+    a run that never stopped."""
     common = ("--optimizer", "hf", "--samples", "96", "--epochs", "4", "--save-steps", "5")  # 8 steps an epoch
     steps = 4 * 96 // 12
     killed = hf_run().start("--replicas", "3", script_args=(*common, "--replicas", "3", "--batch", "4",
                                                             "--step-sleep", "0.2"))
     whole = hf_run().start("--replicas", "3", script_args=(*common, "--replicas", "3", "--batch", "4"))
     killed.wait_for(lambda: killed.progress(0) >= 17, timeout=150, what="17 committed steps")
-    killed.kill_controller()
-    # HF writes trainer_state.json last: a checkpoint without it was cut short by the kill and is not resumed from.
-    complete = sorted(int(p.name.split("-")[1]) for p in (killed.out / "hf").glob("checkpoint-*")
-                      if (p / "trainer_state.json").exists())
-    assert complete[:3] == [5, 10, 15], complete
-    newest = killed.out / "hf" / f"checkpoint-{complete[-1]}"
+    killed.kill_controller()  # the procs end once the writer has written (`worker.orphan`)
+    committed = max(killed.progress(r) for r in range(3))  # each replica's global_step after its last step
+    lost = killed.events("controller_lost")
+    assert sorted(e["replica"] for e in lost) == [0, 1, 2], (lost, killed.output)
+    [writer] = [e for e in lost if e["checkpoint"]]
+    held = writer["step"]
+    assert writer["replica"] == 0 and {e["step"] for e in lost} == {held}, lost
+    assert {e["skipped"] for e in lost if e is not writer} == {"another replica writes it"}, lost
+    # HF's own checkpoint of the held step, whole (HF writes trainer_state.json last), and HF's newest.
+    output_dir = killed.out / "hf"
+    assert writer["checkpoint"] == str(output_dir / f"checkpoint-{held}"), writer
+    assert [c["path"] for c in killed.events("checkpoint")] == [writer["checkpoint"]]
+    saved = sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
+    assert saved == [5, 10, 15, held] and held > 15, saved
+    state = json.loads((output_dir / f"checkpoint-{held}" / "trainer_state.json").read_text())
+    assert state["global_step"] == held, state["global_step"]
 
-    resumed = hf_run().start("--replicas", "2", script_args=(*common, "--replicas", "2", "--batch", "6",
-                                                             "--resume", str(newest)))
+    # The relaunch writes into the same output_dir and lets HF pick the checkpoint: resume_from_checkpoint=True.
+    resumed = hf_run().start("--replicas", "2", script_args=(
+        *common, "--replicas", "2", "--batch", "6", "--resume", "true",
+        "--training-args", json.dumps({"output_dir": str(output_dir)})))
     assert whole.wait(timeout=180) == 0, whole.output
     assert resumed.wait(timeout=180) == 0, resumed.output
     results = resumed.results()
     assert set(results) == {"0", "1"} and {r["global_step"] for r in results.values()} == {steps}
     assert results["0"]["checksum"] == results["1"]["checksum"]
     _assert_close(resumed.weights("0"), whole.weights("0"), rtol=1e-4, atol=1e-5)
+    # It went on from the saved step: what the kill cost is at most the step in flight.
+    assert min(e["step"] for e in resumed.events("first_commit")) == held
+    assert committed - held <= 1, (committed, held)
     # HF's log history: the checkpoint's lines (3 replicas), then the resumed run's own (2), one per step.
     history = {h["step"]: h["elastic/replicas"] for h in results["0"]["log_history"] if "loss" in h}
     assert sorted(history) == list(range(1, steps + 1))
-    assert {history[s] for s in history if s <= complete[-1]} == {3.0}
-    assert {history[s] for s in history if s > complete[-1]} == {2.0}
+    assert {history[s] for s in history if s <= held} == {3.0}
+    assert {history[s] for s in history if s > held} == {2.0}
     for replica_pids in (*killed.pids().values(), *resumed.pids().values()):
         assert not any(alive(pid) for pid in replica_pids)
 

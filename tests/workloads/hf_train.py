@@ -163,7 +163,7 @@ def main() -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
     p.add_argument("--logging-steps", type=int, default=1)
-    p.add_argument("--resume", default=None, help="resume_from_checkpoint")
+    p.add_argument("--resume", default=None, help="resume_from_checkpoint; 'true': True, the newest in output_dir")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--sample-sleep", type=float, default=0.0,
                    help="with --count: seconds per sample of this replica's share, so a shrunk group steps slower")
@@ -221,7 +221,7 @@ def main() -> None:
     if ctx is not None and not ctx.initial and args.pause_at >= 0:
         while _furthest_step(args.out) < args.pause_at:  # a replacement joins while the survivors hold that step
             time.sleep(0.05)
-    output = trainer.train(resume_from_checkpoint=args.resume)
+    output = trainer.train(resume_from_checkpoint=True if args.resume == "true" else args.resume)
 
     result = {
         "replica": ident,
