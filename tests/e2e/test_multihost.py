@@ -310,3 +310,98 @@ def test_sigterm_to_a_hosts_agent_drains_all_its_replicas_in_one_generation_chan
         bait.accept()
     bait.close()
     assert sorted(e["address"] for e in run.events("host_up")) == [net.address(i) for i in range(3)]
+
+
+def _steps(run) -> list[dict]:
+    path = run.out / "steps.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _start_logged(run, net, *args: str, epochs: int = 4):
+    return run.start("--hosts-file", str(net.hosts_file), "--store-host", net.controller_ip, "--replicas", "2",
+                     "--replicas-per-host", "1", "--host-timeout", "4", "--join-timeout", "120",
+                     "--checkpoint-steps", "5", *args, script=WORKLOADS / "logged_loop.py",
+                     script_args=("--epochs", str(epochs), "--samples", "240", "--batch", "24", "--step-sleep", "0.1",
+                                  "--out", str(run.out)))
+
+
+def _resumes_exactly(elastic_run, net, killed, before: list[dict], start: int) -> None:
+    """A relaunch on the same agents with --resume auto goes on from `start` on the same batches, to the last step."""
+    resumed = elastic_run()
+    _start_logged(resumed, net, "--checkpoint-dir", str(killed.tmp / "ckpt"), "--resume", "auto")
+    assert resumed.wait(timeout=240) == 0, resumed.output
+    [resume] = resumed.events("resume")
+    assert resume["path"].endswith(f"step{start:08d}"), (resume, start)
+    after = _steps(resumed)
+    assert [r["step"] for r in after] == list(range(start, 40))
+    for old, new in zip(before[start:], after):
+        assert old["batch"] == new["batch"] and new["loss"] == pytest.approx(old["loss"], rel=1e-5), (old, new)
+    for epoch in range(4):  # every sample once per epoch, over both runs
+        assert sorted(i for r in before[:start] + after if r["epoch"] == epoch for i in r["batch"]) == list(range(240))
+    results = resumed.results()
+    assert len(results) == 2 and len({r["checksum"] for r in results.values()}) == 1
+    _nothing_outlives(resumed)
+
+
+def test_a_killed_controller_whose_replicas_are_on_other_hosts_has_them_save_the_held_step_and_the_agents_stay(
+        elastic_run, hosts):
+    """`monarch-run` SIGKILLed with its two replicas on two namespace hosts: each proc's lease on the controller's
+    store runs out (host timeout 4 s: 2 s), the generation's first replica writes the step it holds, every proc ends,
+    and the agents stay up for the next run, which resumes that step on them."""
+    net = hosts(2)
+    net.start_agents()
+    net.wait_listed(2)
+    killed = elastic_run()
+    _start_logged(killed, net)
+    killed.wait_for(lambda: len(_steps(killed)) >= 17, timeout=150, what="17 committed steps")
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    assert killed.wait(timeout=30) == -signal.SIGKILL
+    t0 = time.monotonic()
+    deadline = t0 + 30
+    while any(alive(p) for pids in killed.pids().values() for p in pids):
+        assert time.monotonic() < deadline, killed.pids()
+        time.sleep(0.1)
+    gone_s = time.monotonic() - t0
+    before = _steps(killed)
+    lost = killed.events("controller_lost")
+    [writer] = [e for e in lost if e["checkpoint"]]
+    assert {e["replica"] for e in lost} == {0, 1} and "controller" in writer["reason"], lost
+    assert len(before) <= writer["step"] <= len(before) + 1 and writer["step"] % 5, (writer, len(before))
+    assert 1.5 < gone_s < 10, gone_s  # the lease, then the save
+    assert all(agent.poll() is None for agent in net.agents.values())  # stayed for the next run
+    _resumes_exactly(elastic_run, net, killed, before, writer["step"])
+
+
+def test_a_controller_black_holed_from_its_hosts_stops_and_its_cut_off_replicas_write_nothing_over_its_files(
+        elastic_run, hosts):
+    """The controller's machine black-holed (it sends nothing, so hears nothing) while its hosts still reach each other:
+    a partition, not a loss. Behind it the replicas' leases run out and they stop training, but the controller is alive
+    and still holds the run's files, so none of them writes a checkpoint: the two sides never both write. The
+    controller loses both hosts to silence and stops, naming the newest periodic checkpoint, from which a relaunch
+    (the network back) goes on exactly."""
+    net = hosts(2)
+    net.start_agents()
+    net.wait_listed(2)
+    cut = elastic_run()
+    _start_logged(cut, net)
+    cut.wait_for(lambda: len(_steps(cut)) >= 17, timeout=150, what="17 committed steps")
+    net.black_hole_controller()
+    try:
+        cut.wait_for(lambda: len(cut.events("controller_lost")) == 2, timeout=30, what="both replicas to lose it")
+        assert cut.wait(timeout=120) == 1, cut.output
+    finally:
+        net.black_hole_controller(on=False)
+    before = _steps(cut)
+    lost = cut.events("controller_lost")
+    assert not [e for e in lost if e["checkpoint"]], lost
+    [refused] = [e for e in lost if e["replica"] == 0]  # the first replica tried, and found the files held
+    assert "held" in refused["skipped"], refused
+    assert len(cut.events("host_lost")) == 2 and "below --min-replicas" in cut.output, cut.output
+    newest = max(e["step"] for e in cut.events("checkpoint"))
+    assert newest % 5 == 0 and newest <= len(before)
+    deadline = time.monotonic() + 30
+    while any(alive(p) for pids in cut.pids().values() for p in pids):
+        assert time.monotonic() < deadline, cut.pids()
+        time.sleep(0.1)
+    net.wait_listed(2)
+    _resumes_exactly(elastic_run, net, cut, before, newest)

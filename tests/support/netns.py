@@ -62,6 +62,7 @@ class NetnsHosts:
         self.agents: dict[int, subprocess.Popen] = {}
         self.ports: dict[int, int] = {}
         self._made: list[str] = []
+        self._black_holed = False  # `black_hole_controller`
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             self._made.append("bridge")
@@ -141,6 +142,15 @@ class NetnsHosts:
         dev, ns = (f"{self.tag}v{i}", None) if towards else (f"{self.tag}p{i}", self.names[i])
         _tc("qdisc", "del", "dev", dev, "root", ns=ns, check=False)
 
+    def black_hole_controller(self, on: bool = True) -> None:
+        """Drop everything between the controller's machine and the hosts, silently (its network black-holed), while
+        the hosts still reach each other across the bridge: iptables rules in the root namespace on the bridge's own
+        device, which only the root namespace's traffic enters and leaves by. `close` takes them away too."""
+        for rule in (("INPUT", "-i"), ("OUTPUT", "-o")):
+            subprocess.run(["iptables", "-I" if on else "-D", rule[0], rule[1], self.bridge, "-j", "DROP"],
+                           capture_output=True, text=True, check=on, timeout=30)
+        self._black_holed = on
+
     def wall_off(self, i: int) -> None:
         """Reject every connection host i opens to the controller's machine (a firewall there, or on the way back),
         while connections the controller opens to it still work: an iptables rule in its namespace, gone with it."""
@@ -172,6 +182,8 @@ class NetnsHosts:
         return killed
 
     def close(self) -> None:
+        if self._black_holed:
+            self.black_hole_controller(on=False)
         for i in range(len(self.names)):
             if self.names[i] in self._made:
                 self.kill_host(i)
