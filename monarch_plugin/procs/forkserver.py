@@ -481,7 +481,10 @@ def client_main(path: str) -> int:
 
 
 def _outlive(child: int, bound_s: float) -> None:
-    """The controller is gone: give the proc `bound_s` to save the run and end by itself (`worker.orphan`)."""
+    """The controller is gone: give the proc `bound_s` to save the run and end by itself (`worker.orphan`); none when
+    `controller_loss_save_s` is 0 (the proc goes with its controller)."""
+    if not bound_s:
+        return
     try:
         pidfd = os.pidfd_open(child)
     except ProcessLookupError:
