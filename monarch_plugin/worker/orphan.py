@@ -5,13 +5,14 @@ node takes it like any other process. Its replicas hold the trained state in mem
 ended with it, so a relaunch went back to the last periodic checkpoint (or to the start). Now a proc that loses its
 controller (`lost`: its process ended on its machine, `watch`; elsewhere its lease on the controller's store ran
 out, `procs.lease`):
-- ends every wait of its training thread as a stop does (`Flags.lose_controller`): a step whose reduction had
-  completed commits (the reduction needs no controller), one still waiting for it is dropped;
-- at its next step boundary (`StepTransaction.sync`), if it is a proc of the generation's first replica (rank 0),
-  writes the step its state holds with the front end's own checkpoint, as when the run gives up (`save`). It holds
-  the run's locks while it writes (`runlock.hold`): a controller that is alive but cut off holds them still, and so
-  does a relaunch already started on the same files; then nothing is written, and the run's files never get a
-  second writer. Every other replica writes nothing;
+- ends at once if it is not a proc of the generation's first replica (rank 0): only that one writes, and a proc
+  behind a cut link is gone as soon as its lease is, as before the save existed;
+- otherwise ends every wait of its training thread as a stop does (`Flags.lose_controller`): a step whose reduction
+  had completed commits (the reduction needs no controller), one still waiting for it is dropped;
+- and at its next step boundary (`StepTransaction.sync`) writes the step its state holds with the front end's own
+  checkpoint, as when the run gives up (`save`). It holds the run's locks while it writes (`runlock.hold`): a
+  controller that is alive but cut off holds them still, and so does a relaunch already started on the same files;
+  then nothing is written, and the run's files never get a second writer;
 - ends (`os._exit`) once that is done, and at the latest `controller_loss_save_s` after the loss, written or not.
   A proc too wedged to run that thread is ended by whoever started it: its forkserver client or its watchdog on
   the controller's machine (`procs.forkserver`, `procs.notice`), its host agent elsewhere.
@@ -55,9 +56,18 @@ def lost(why: str, bound_s: float, what: str) -> None:
     """The controller is lost (`why`): stop training, save at the next step boundary, end within `bound_s`."""
     if not _told.acquire(blocking=False):
         return
-    _say(f"{what}: {why}: the generation's first replica writes the last committed step; this proc ends within "
-         f"controller_loss_save_s {bound_s:g} s")
     context.flags.lose_controller(why)
+    ctx = context._current
+    if ctx is None or ctx.rank != 0:  # not a writer: nothing to wait for a step boundary for
+        _say(f"{what}: {why}: the generation's first replica writes the last committed step; this proc ends now")
+        if ctx is not None:
+            tx = ctx.transaction
+            ctx.events.emit("controller_lost", replica=ctx.replica_id, lane=ctx.local_rank,
+                            gen=tx.gen if tx is not None else -1, step=tx.held if tx is not None else None,
+                            checkpoint=None, reason=why, skipped="another replica writes it")
+        _end()
+    _say(f"{what}: {why}: writing the last committed step at the next step boundary; this proc ends within "
+         f"controller_loss_save_s {bound_s:g} s")
     threading.Thread(target=_end_after, args=(bound_s,), name="monarch-plugin-orphan-bound", daemon=True).start()
 
 
