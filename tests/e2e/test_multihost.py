@@ -325,6 +325,17 @@ def _start_logged(run, net, *args: str, epochs: int = 4):
                                   "--out", str(run.out)))
 
 
+def _training_on_two_hosts(elastic_run, hosts):
+    """Two namespace hosts with their agents, and a run of two replicas on them, 17 steps in."""
+    net = hosts(2)
+    net.start_agents()
+    net.wait_listed(2)
+    run = elastic_run()
+    _start_logged(run, net)
+    run.wait_for(lambda: len(_steps(run)) >= 17, timeout=150, what="17 committed steps")
+    return net, run
+
+
 def _resumes_exactly(elastic_run, net, killed, before: list[dict], start: int) -> None:
     """A relaunch on the same agents with --resume auto goes on from `start` on the same batches, to the last step."""
     resumed = elastic_run()
@@ -348,12 +359,7 @@ def test_a_killed_controller_whose_replicas_are_on_other_hosts_has_them_save_the
     """`monarch-run` SIGKILLed with its two replicas on two namespace hosts: each proc's lease on the controller's
     store runs out (host timeout 4 s: 2 s), the generation's first replica writes the step it holds, every proc ends,
     and the agents stay up for the next run, which resumes that step on them."""
-    net = hosts(2)
-    net.start_agents()
-    net.wait_listed(2)
-    killed = elastic_run()
-    _start_logged(killed, net)
-    killed.wait_for(lambda: len(_steps(killed)) >= 17, timeout=150, what="17 committed steps")
+    net, killed = _training_on_two_hosts(elastic_run, hosts)
     os.kill(killed.proc.pid, signal.SIGKILL)
     assert killed.wait(timeout=30) == -signal.SIGKILL
     t0 = time.monotonic()
@@ -379,12 +385,7 @@ def test_a_controller_black_holed_from_its_hosts_stops_and_its_cut_off_replicas_
     and still holds the run's files, so none of them writes a checkpoint: the two sides never both write. The
     controller loses both hosts to silence and stops, naming the newest periodic checkpoint, from which a relaunch
     (the network back) goes on exactly."""
-    net = hosts(2)
-    net.start_agents()
-    net.wait_listed(2)
-    cut = elastic_run()
-    _start_logged(cut, net)
-    cut.wait_for(lambda: len(_steps(cut)) >= 17, timeout=150, what="17 committed steps")
+    net, cut = _training_on_two_hosts(elastic_run, hosts)
     net.black_hole_controller()
     try:
         cut.wait_for(lambda: len(cut.events("controller_lost")) == 2, timeout=30, what="both replicas to lose it")
