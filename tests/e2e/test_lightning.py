@@ -514,8 +514,8 @@ def test_lost_controller_costs_at_most_the_step_in_flight_and_fit_resumes_from_m
     assert sorted(e["replica"] for e in lost) == [0, 1, 2], (lost, killed.output)
     [writer] = [e for e in lost if e["checkpoint"]]
     held = writer["step"]
-    assert writer["replica"] == 0 and {e["step"] for e in lost} == {held}, lost
-    assert {e["skipped"] for e in lost if e is not writer} == {"another replica writes it"}, lost
+    assert writer["replica"] == 0, lost  # the others end at once, writing nothing
+    assert {(e["checkpoint"], e["skipped"]) for e in lost if e is not writer} == {(None, "another replica writes it")}
     # Named for its step, beside ModelCheckpoint's files (each whole: written to a temporary name, then renamed).
     ckpts = killed.out / "ckpts"
     assert writer["checkpoint"] == str(ckpts / f"step{held:08d}.ckpt"), writer
