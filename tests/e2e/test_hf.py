@@ -268,8 +268,8 @@ def test_lost_controller_costs_at_most_the_step_in_flight_and_train_resumes_the_
     assert sorted(e["replica"] for e in lost) == [0, 1, 2], (lost, killed.output)
     [writer] = [e for e in lost if e["checkpoint"]]
     held = writer["step"]
-    assert writer["replica"] == 0 and {e["step"] for e in lost} == {held}, lost
-    assert {e["skipped"] for e in lost if e is not writer} == {"another replica writes it"}, lost
+    assert writer["replica"] == 0, lost  # the others end at once, writing nothing
+    assert {(e["checkpoint"], e["skipped"]) for e in lost if e is not writer} == {(None, "another replica writes it")}
     # HF's own checkpoint of the held step, whole (HF writes trainer_state.json last), and HF's newest.
     output_dir = killed.out / "hf"
     assert writer["checkpoint"] == str(output_dir / f"checkpoint-{held}"), writer
