@@ -214,12 +214,21 @@ class MonarchTrainer(Trainer):
                                          samples=samples)
 
     def _write_give_up_checkpoint(self, committed: int) -> str | None:
-        """The run stops (too few replicas): the generation's first replica writes torchtitan's checkpoint of
-        the last committed step, which `--checkpoint.enable` loads on the next start."""
+        """The run stops (too few replicas, a signal) or its controller is lost: the generation's first replica
+        writes torchtitan's checkpoint of the last committed step, which `--checkpoint.enable` loads on the next
+        start. Always the whole training state, as an interval's: torchtitan takes the highest complete `step-N` and
+        loads all of it, so a model-only one (`last_save_model_only`, on by default, is for a run's end) would stop
+        the relaunch instead of resuming it."""
         if not self.checkpointer.enable:
             return None
-        self.checkpointer.inner.save(committed, last_step=True)
-        if torch.distributed.get_rank() != 0:
+        inner = self.checkpointer.inner
+        model_only, in_hf = inner.last_save_model_only, inner.last_save_in_hf
+        inner.last_save_model_only = inner.last_save_in_hf = False
+        try:
+            saved = inner.save(committed, last_step=True)  # at once, whatever the interval, and synchronously
+        finally:
+            inner.last_save_model_only, inner.last_save_in_hf = model_only, in_hf
+        if not saved or torch.distributed.get_rank() != 0:
             return None
         return os.path.abspath(os.path.join(self.config.dump_folder, self.config.checkpoint.folder,
                                             f"step-{committed}"))
