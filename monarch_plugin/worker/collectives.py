@@ -55,8 +55,11 @@ def wait_all(works: list, flags: Flags, gen: int, timeout_s: float, interruptibl
             work.get_future().add_done_callback(on_done)
         deadline = time.monotonic() + timeout_s
         while True:
-            if (interruptible and flags.abort_gen > gen) or flags.stop:
-                raise GenerationChanged(f"generation {gen} superseded by {flags.abort_gen}")
+            # A lost controller (`worker.orphan`) ends the waits an abort ends, not a vote among a replica's own
+            # procs: the writer of the run's last step needs its siblings' votes to write it.
+            if (interruptible and (flags.abort_gen > gen or flags.lost)) or (flags.stop and not flags.lost):
+                raise GenerationChanged(f"generation {gen} superseded by {flags.abort_gen}" if not flags.lost
+                                        else f"the controller was lost: {flags.lost}")
             if done.is_set():
                 with lock:
                     if state["error"] is not None:

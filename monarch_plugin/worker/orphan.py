@@ -100,7 +100,7 @@ def save(tx) -> None:
                     checkpoint=path, reason=ctx.flags.lost, **({"skipped": skipped} if skipped else {}))
     if path is not None:
         _say(f"replica {ctx.replica_id}: the controller was lost; wrote the last committed step {tx.held} to "
-             f"{path}: relaunch with --resume auto (or the front end's own resume) to go on from it")
+             f"{path}: relaunch from it (`monarch-run --resume auto`, or the framework's own resume from that path)")
     _end()
 
 
