@@ -30,11 +30,12 @@ def _steps(run) -> list[dict]:
 
 
 def _saved(run) -> dict:
-    """The one `controller_lost` event that wrote the run's checkpoint; every other proc's says why it wrote none."""
+    """The one `controller_lost` event that wrote the run's checkpoint (its replica's local rank 0's; the replica's other
+    procs wrote their shards); every other replica's says why it wrote none."""
     lost = run.events("controller_lost")
     [writer] = [e for e in lost if e["checkpoint"]]
     assert writer["checkpoint"] == step_path(str(run.tmp / "ckpt"), writer["step"]), writer
-    assert all(e["skipped"] for e in lost if e is not writer), lost
+    assert all(e.get("skipped") or e["replica"] == writer["replica"] for e in lost if e is not writer), lost
     return writer
 
 
@@ -173,3 +174,21 @@ def test_a_controller_killed_while_its_stop_checkpoint_is_written_leaves_that_ch
     assert written["step"] == len(before), (written, len(before))
     assert not [e for e in killed.events("controller_lost") if e["checkpoint"]]
     _resume(elastic_run, killed, before, len(before))
+
+
+def test_a_replica_of_two_fsdp_procs_writes_its_shards_together_and_another_shape_resumes_them(elastic_run):
+    """Two replicas of two FSDP procs each: both procs of the first replica agree (their own vote, which the
+    controller's loss must not break) and write their shards of the held step as one checkpoint; three replicas of one
+    proc, without FSDP, resume it exactly."""
+    killed = elastic_run()
+    killed.start("--replicas", "2", "--procs-per-replica", "2", script=WORKLOADS / "logged_loop.py",
+                 script_args=(*LOOP, "--fsdp", "--out", str(killed.out)))
+    killed.wait_for(lambda: len(_steps(killed)) >= 12, timeout=150, what="12 committed steps")
+    killed.kill_controller(within=30)
+    before = _steps(killed)
+    writer = _saved(killed)
+    assert len(before) <= writer["step"] <= len(before) + 1, (writer, len(before))
+    lanes = {(e["replica"], e["lane"]): e for e in killed.events("controller_lost")}
+    assert sorted(lanes) == [(0, 0), (0, 1), (1, 0), (1, 1)], lanes
+    assert "skipped" not in lanes[(0, 1)] and lanes[(0, 1)]["step"] == writer["step"]  # it wrote its shard
+    _resume(elastic_run, killed, before, writer["step"], 3)
