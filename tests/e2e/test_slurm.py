@@ -22,7 +22,7 @@ import torch
 
 from support import slurm
 from support.procs import alive, parent
-from support.runs import WORKLOADS
+from support.runs import WORKLOADS, saved_on_controller_loss
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(slurm.available() is not None,
                                                              reason=str(slurm.available()))]
@@ -418,9 +418,7 @@ mkdir -p out1 out2
     assert saved_s is not None and gone_s <= bound + 3, (saved_s, gone_s, bound)  # + the step's teardown
 
     # The generation's first replica wrote the step it held; every other proc says why it wrote none.
-    lost = job.events("controller_lost", "events-1.jsonl")
-    [writer] = [e for e in lost if e["checkpoint"]]
-    assert all(e["skipped"] for e in lost if e is not writer) and len(lost) == 2, lost
+    writer = saved_on_controller_loss(job.events("controller_lost", "events-1.jsonl"), range(2))
     before = steps("out1")
     start = writer["step"]
     assert writer["checkpoint"] == step_path(str(job.dir / "ckpt"), start), writer

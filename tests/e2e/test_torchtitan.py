@@ -25,7 +25,7 @@ pytest.importorskip("torchtitan")
 from torchtitan.config import ConfigManager, ParallelismConfig  # noqa: E402
 
 from support.procs import alive  # noqa: E402
-from support.runs import WORKLOADS, ElasticRun, run_factory  # noqa: E402
+from support.runs import WORKLOADS, ElasticRun, run_factory, saved_on_controller_loss  # noqa: E402
 from monarch_plugin.integrations.torchtitan import ElasticLauncher, MonarchConfig, MonarchTrainer  # noqa: E402
 from monarch_plugin.integrations.torchtitan.config import elastic_config  # noqa: E402
 from monarch_plugin.integrations.torchtitan.config_registry import (  # noqa: E402
@@ -273,13 +273,9 @@ def test_lost_controller_costs_at_most_the_step_in_flight_and_checkpoint_enable_
     killed.wait_for(lambda: killed.progress(0) >= 7, timeout=300, what="replica 0 to commit step 7")
     killed.kill_controller()  # the procs end once the writer has written (`worker.orphan`)
     committed = {r["step"]: r for r in killed.steps()[0, 0]}
-    lost = killed.events("controller_lost")
-    assert sorted((e["replica"], e["lane"]) for e in lost) == [(0, 0), (0, 1), (1, 0), (1, 1)], (lost, killed.output)
-    [writer] = [e for e in lost if e["checkpoint"]]  # lane 1 wrote its shards too; lane 0 names the folder
+    # Lane 1 wrote its shards too; lane 0 names the folder.
+    writer = saved_on_controller_loss(killed.events("controller_lost"), range(2), lanes=2)
     held = writer["step"]
-    assert (writer["replica"], writer["lane"]) == (0, 0), lost
-    assert [(e["step"], e.get("skipped")) for e in lost if e["replica"] == 0] == [(held, None)] * 2, lost
-    assert {(e["checkpoint"], e["skipped"]) for e in lost if e["replica"] == 1} == {(None, "another replica writes it")}
     # DCP writes a checkpoint's .metadata last; torchtitan loads the highest step-N folder that has it.
     folder = killed.out / "checkpoint"
     assert writer["checkpoint"] == str(folder / f"step-{held}"), writer

@@ -117,6 +117,19 @@ class ElasticRun:
             self.proc.wait(timeout=30)
 
 
+def saved_on_controller_loss(lost: list[dict], replicas, lanes: int = 1) -> dict:
+    """Check the `controller_lost` events of a run whose controller was killed, one from each of the `lanes` procs of
+    each replica in `replicas` (ids), and return the writer's: replica 0's local rank 0 (the generation's first
+    replica), which names the checkpoint. Its replica's other procs wrote their shards of the same step; every other
+    replica wrote nothing and says so (`worker.orphan`)."""
+    assert sorted((e["replica"], e["lane"]) for e in lost) == [(r, k) for r in sorted(replicas) for k in range(lanes)], lost
+    [writer] = [e for e in lost if e["checkpoint"]]
+    assert (writer["replica"], writer["lane"]) == (0, 0), lost
+    assert all(e["step"] == writer["step"] and "skipped" not in e for e in lost if e["replica"] == 0), lost
+    assert all(e["skipped"] == "another replica writes it" for e in lost if e["replica"] != 0), lost
+    return writer
+
+
 def run_factory(tmp_path: Path, cls):
     """Yield a maker of `cls` runs, each in its own folder; clean every one up afterwards, pass or fail."""
     runs = []
