@@ -26,8 +26,9 @@ import sys
 import threading
 import time
 
-from monarch_plugin.errors import ConfigError, ProtocolError
+from monarch_plugin.errors import ConfigError
 from monarch_plugin.storage import runlock
+from monarch_plugin.wire.protocol import Phase
 from monarch_plugin.worker import context
 
 __all__ = ["EXIT_CODE", "lost", "returned", "save", "watch"]
@@ -50,6 +51,10 @@ def watch(pid: int, on_lost) -> None:
 
 
 _told = threading.Lock()
+_saving = threading.Lock()
+HELD_UP_S = 2.0
+"""How long after the loss a writer's training thread still in the runtime's join or reduction is taken as held up
+in a store call (`_save_if_held_up`)."""
 
 
 def lost(why: str, bound_s: float, what: str) -> None:
@@ -69,11 +74,30 @@ def lost(why: str, bound_s: float, what: str) -> None:
     _say(f"{what}: {why}: writing the last committed step at the next step boundary; this proc ends within "
          f"controller_loss_save_s {bound_s:g} s")
     threading.Thread(target=_end_after, args=(bound_s,), name="monarch-plugin-orphan-bound", daemon=True).start()
+    threading.Thread(target=_save_if_held_up, args=(ctx, time.time()), name="monarch-plugin-orphan-save",
+                     daemon=True).start()
+
+
+def _save_if_held_up(ctx, lost_at: float) -> None:
+    """Write from this thread if the training thread is held up in a call to the controller's store that nothing will
+    answer (its machine gone or cut off: no reset comes back, and the call waits out the store's timeout). A training
+    thread in the runtime's join or reduction when the controller was lost, and still there `HELD_UP_S` later, is
+    in such a call (every wait of its own ends within a second of the loss), holding a committed step's state
+    (`held`): the state is not moving, and this thread writes it. Replicas of one proc only: the procs of a larger
+    one write together, from their training threads."""
+    time.sleep(HELD_UP_S)
+    tx, flags = ctx.transaction, ctx.flags
+    if tx is None or ctx.procs_per_replica > 1 or tx.held is None:
+        return
+    if flags.phase in (Phase.JOIN, Phase.REDUCE) and flags.phase_since < lost_at:
+        save(tx)
 
 
 def save(tx) -> None:
     """At a step boundary of a proc whose controller is lost: write the run's checkpoint if this proc is one of the
-    generation's first replica and holds a committed step, then end the process. Never returns."""
+    generation's first replica and holds a committed step, then end the process. Never returns: a second thread
+    (`_save_if_held_up` and the training thread) waits here for the first, which ends the process."""
+    _saving.acquire()
     ctx, path, skipped = tx.ctx, None, None
     if tx.rank != 0:
         skipped = "another replica writes it"
@@ -91,7 +115,7 @@ def save(tx) -> None:
                 skipped = refused or "its local rank 0 could not take the run's locks"
             else:
                 path = tx.write_held()
-        except (Exception, ProtocolError) as e:  # noqa: BLE001 - said in the event; the proc ends either way
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one; said in the event, the proc ends
             skipped = f"the write failed: {type(e).__name__}: {e}"
         finally:
             for lock in locks:
