@@ -39,15 +39,9 @@ import time
 
 from monarch_plugin.net import parse_host
 from monarch_plugin.errors import ConfigError
+from monarch_plugin.procs.lease import AGENT_PROBE_S, ORPHAN_MARGIN_S, outlive_bound_s
 
-__all__ = ["ORPHAN_MARGIN_S", "outlive_bound_s", "serve"]
-
-ORPHAN_MARGIN_S = 5.0
-"""What an agent of one run gives its procs beyond their `controller_loss_save_s`: their own leases run out up to a
-beat or two after the agent's judge, and a proc that has written still has to exit."""
-_PROBE_S = 0.5
-"""How often such an agent tries the run's store (a connection opened and closed: the store takes it as a
-preflight's, `hostfacts.report`)."""
+__all__ = ["serve"]
 
 
 def _check_local(ip: str) -> None:
@@ -93,14 +87,6 @@ def _pass_on(name: str) -> bool:
     return False  # a second signal is passed on too
 
 
-def outlive_bound_s(host_timeout_s: float, controller_loss_save_s: float) -> float:
-    """How long an agent of one run (`--run-store`) stays after its run's controller process ends, at most: the
-    run's lease of refusals (and a probe), its procs' `controller_loss_save_s`, the margin."""
-    from monarch_plugin.procs.lease import lease_s
-
-    return lease_s(host_timeout_s) + _PROBE_S + controller_loss_save_s + ORPHAN_MARGIN_S
-
-
 def _outlive_run(store: tuple[str, int], lease: float, save_s: float) -> None:
     """Exit this agent once the run whose store is `store` has lost its controller (see the module's docstring).
 
@@ -121,7 +107,7 @@ def _outlive_run(store: tuple[str, int], lease: float, save_s: float) -> None:
                 break
         except OSError:
             refused_since = None
-        time.sleep(_PROBE_S)
+        time.sleep(AGENT_PROBE_S)
     procs = [p for p, depth in _below(os.getpid()).items() if depth == 1]
     _say(f"the run's store {store[0]}:{store[1]} has refused connections for {lease:g} s: its controller is gone; "
          f"waiting for this host's {len(procs)} proc(s) to save the run and end (at most "

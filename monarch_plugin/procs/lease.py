@@ -28,12 +28,26 @@ from typing import Callable
 from monarch_plugin.wire.protocol import Key
 from monarch_plugin.wire.signing import Forged, SignedStore
 
-__all__ = ["BEAT_S", "Lease", "lease_s"]
+__all__ = ["AGENT_PROBE_S", "BEAT_S", "Lease", "ORPHAN_MARGIN_S", "lease_s", "outlive_bound_s"]
 
 BEAT_S = 0.5
 """How often a lease touches the store (and a watcher beats)."""
 
 _MARGIN_S = 1.0
+
+
+AGENT_PROBE_S = 0.5
+"""How often a host agent that serves one run (`procs.agent`, `--run-store`) tries the run's store (a connection
+opened and closed: the store takes it as a preflight's, `hostfacts.report`)."""
+ORPHAN_MARGIN_S = 5.0
+"""What such an agent gives its procs beyond their `controller_loss_save_s`: their own leases run out up to a beat or
+two after the agent's judge, and a proc that has written still has to exit."""
+
+
+def outlive_bound_s(host_timeout_s: float, controller_loss_save_s: float) -> float:
+    """How long a host agent that serves one run stays after its run's controller process ends, at most: the run's
+    lease of refusals (and a probe), its procs' `controller_loss_save_s`, the margin (`procs.agent`, `procs.slurm`)."""
+    return lease_s(host_timeout_s) + AGENT_PROBE_S + controller_loss_save_s + ORPHAN_MARGIN_S
 
 
 def lease_s(host_timeout_s: float) -> float:

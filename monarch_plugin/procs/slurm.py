@@ -24,7 +24,7 @@ allocation could start none. So each agent is started for this run only (`--run-
 in the controller's process; `procs.agent`): once that store has refused connections for the run's lease (the
 controller's process is gone, its machine is up), the agent waits for its procs, which write the run's last
 committed step and end by themselves (`worker.orphan`), and exits, and its step ends with it. The bound, from the
-kill to the last step's end: `agent.outlive_bound_s`, the lease (`host_timeout_s` less 2 s) and a probe, plus
+kill to the last step's end: `lease.outlive_bound_s`, the lease (`host_timeout_s` less 2 s) and a probe, plus
 `controller_loss_save_s`, plus 5 s, about 69 s by default; in practice the lease plus the time to finish the step in
 flight and write it. The step is not aborted from outside (a PR_SET_PDEATHSIG on srun, say): SLURM's abort kills the
 tasks at once, the replicas among them, before they could save. A batch script that `exec`s `monarch-run` ends the
@@ -105,7 +105,7 @@ def await_earlier_agents(config: ElasticConfig) -> None:
     written (module docstring). Taking the run's files meanwhile would make the save refuse to write (`worker.orphan`
     writes only while it can hold them), and their agents still hold the nodes' `AGENT_PORT`. Said in the log; if
     they outlast the wait, this run goes on and says how to end them."""
-    from monarch_plugin.procs.agent import outlive_bound_s
+    from monarch_plugin.procs.lease import outlive_bound_s
 
     job = os.environ.get("SLURM_JOB_ID")
     steps = _agent_steps(job) if job and config.slurm else []

@@ -361,10 +361,10 @@ def test_a_sigkilled_monarch_run_leaves_no_agent_step_behind_once_its_replicas_s
     SIGKILLed mid-training from outside (its node's OOM killer, say): it tells its agent steps nothing. Its replicas
     notice by their leases and the generation's first writes the last committed step; each node's agent, started for
     that run only, sees its store refuse connections, waits for its procs to end and exits, so both steps end within
-    the bound (`agent.outlive_bound_s`) and nothing of the run is left on either node. The relaunch, started by the
+    the bound (`lease.outlive_bound_s`) and nothing of the run is left on either node. The relaunch, started by the
     script at once, waits for those steps before taking the run's files (or the save would be refused), then attaches
     to both nodes and trains to the exact step count from the saved step: no committed step lost."""
-    from monarch_plugin.procs.agent import outlive_bound_s
+    from monarch_plugin.procs.lease import outlive_bound_s
     from monarch_plugin.storage.checkpoint import step_path
 
     samples, batch, epochs, timeout, save = 240, 24, 10, 4, 20
