@@ -66,10 +66,7 @@ def lost(why: str, bound_s: float, what: str) -> None:
     if ctx is None or ctx.rank != 0:  # not a writer: nothing to wait for a step boundary for
         _say(f"{what}: {why}: the generation's first replica writes the last committed step; this proc ends now")
         if ctx is not None:
-            tx = ctx.transaction
-            ctx.events.emit("controller_lost", replica=ctx.replica_id, lane=ctx.local_rank,
-                            gen=tx.gen if tx is not None else -1, step=tx.held if tx is not None else None,
-                            checkpoint=None, reason=why, skipped="another replica writes it")
+            _record(ctx, ctx.transaction, None, "another replica writes it")
         _end()
     _say(f"{what}: {why}: writing the last committed step at the next step boundary; this proc ends within "
          f"controller_loss_save_s {bound_s:g} s")
@@ -120,12 +117,18 @@ def save(tx) -> None:
         finally:
             for lock in locks:
                 lock.release()
-    ctx.events.emit("controller_lost", replica=ctx.replica_id, lane=ctx.local_rank, gen=tx.gen, step=tx.held,
-                    checkpoint=path, reason=ctx.flags.lost, **({"skipped": skipped} if skipped else {}))
+    _record(ctx, tx, path, skipped)
     if path is not None:
         _say(f"replica {ctx.replica_id}: the controller was lost; wrote the last committed step {tx.held} to "
              f"{path}: relaunch from it (`monarch-run --resume auto`, or the framework's own resume from that path)")
     _end()
+
+
+def _record(ctx, tx, path: str | None, skipped: str | None) -> None:
+    """This proc's `controller_lost` event: the step it held, the checkpoint it wrote or why it wrote none."""
+    ctx.events.emit("controller_lost", replica=ctx.replica_id, lane=ctx.local_rank, gen=tx.gen if tx else -1,
+                    step=tx.held if tx else None, checkpoint=path, reason=ctx.flags.lost,
+                    **({"skipped": skipped} if skipped else {}))
 
 
 def returned(status: str) -> None:
