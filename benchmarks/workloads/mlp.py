@@ -3,16 +3,22 @@
     monarch-run ... benchmarks/workloads/mlp.py --mode elastic   # ElasticLoop under the Monarch controller
     torchrun ...   benchmarks/workloads/mlp.py --mode ddp       # plain torch DDP, the baseline
     torchrun --max-restarts 1 ... --mode ddp --ckpt-every 10     # checkpoint-restart, the other baseline
+    torchft_lighthouse --min_replicas 2 --bind 127.0.0.1:<port> ...  # once, then per replica group i:
+    REPLICA_GROUP_ID=i NUM_REPLICA_GROUPS=n TORCHFT_LIGHTHOUSE=http://127.0.0.1:<port> \
+        torchrun --nproc-per-node 1 --max-restarts 1000 ... --mode torchft   # torchft's DDP fault tolerance
 
 Each process appends "<global step> <unix time>" per committed step to <out>/steps-<id>.txt, which is all
-the driver (recovery/sigkill.py) reads, besides the elastic run's events file.
+the driver (recovery/sigkill.py) reads, besides the elastic run's events file and torchft's heals-<id>.jsonl.
+--device-ms-per-sample sleeps after each backward, an idle stand-in for accelerator time in every mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,13 +43,140 @@ def batch(indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.flip(-1)
 
 
+def device_time(ms_per_sample: float, local_batch: int) -> None:
+    # The CPU idles here as it would while a GPU runs the step: other replicas' processes get the cores.
+    if ms_per_sample:
+        time.sleep(ms_per_sample * local_batch / 1000)
+
+
+def tensor_bytes(tree: object) -> int:
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+
+
+# As torchft's train_ddp.py sets them on CPU: the checkpoint transfer 10 s (per tensor), the manager's RPCs
+# (should_commit, checkpoint metadata) and its allreduce callbacks 30 s; gloo's 5 s is --torchft-gloo-timeout.
+# After a SIGKILL the survivors that talk to the dead peer error at once (connection reset), but one waiting
+# on another survivor sits out the gloo timeout; the next quorum also waits for the lighthouse to drop the
+# dead replica (--heartbeat_timeout_ms). The stall is the larger of the two, or the heartbeat alone when the
+# kill lands outside an allreduce.
+TRANSPORT_TIMEOUT = timedelta(seconds=10)
+MANAGER_TIMEOUT = timedelta(seconds=30)
+
+
+def run_torchft(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, width: int) -> None:
+    # Gloo otherwise binds whatever address the hostname resolves to.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torchft
+    import torchft.manager
+    from torchft.checkpointing.pg_transport import PGTransport
+
+    # torchft 0.2.0 binds its manager server to [::]:<port> with no option to change it; keep it on loopback
+    # (the address it advertises is hostname=, below).
+    server = torchft.manager.ManagerServer
+
+    def loopback_server(**kwargs: object) -> object:
+        return server(**{**kwargs, "bind": "127.0.0.1:" + str(kwargs["bind"]).rsplit(":", 1)[1]})
+
+    torchft.manager.ManagerServer = loopback_server
+
+    class DDP(torchft.DistributedDataParallel):
+        @staticmethod
+        def _comm_hook(manager, bucket):  # type: ignore[no-untyped-def]  # DDP rejects string annotations
+            # torchft 0.2.0's hook asserts on a failed allreduce (a peer SIGKILLed mid-step: gloo's "connection
+            # reset"), which kills the survivors too, and on an errored manager's dummy work. The manager has
+            # the error already and its should_commit says no, so hand DDP the unreduced bucket instead.
+            work = manager.allreduce(bucket.buffer())
+            reduced = getattr(work.get_future(), "_fut", None) if work.wait() else None
+            if reduced is not None:
+                return reduced
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+    class TimedTransport(PGTransport):
+        recv_s: float | None = None
+
+        def recv_checkpoint(self, *a: object, **kw: object) -> object:
+            t = time.monotonic()
+            state = super().recv_checkpoint(*a, **kw)
+            self.recv_s = time.monotonic() - t
+            return state
+
+    group = os.environ["REPLICA_GROUP_ID"]
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    ident = f"torchft{group}-{restart}"
+    with open(os.path.join(args.out, f"pid-{ident}"), "w") as f:
+        f.write(str(os.getpid()))
+    heals = open(os.path.join(args.out, f"heals-{ident}.jsonl"), "a")
+    quorum_started = 0.0
+
+    def state_dict() -> dict:
+        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+
+    def load_state_dict(state: dict) -> None:
+        # torchft calls this only to heal, from the main thread in should_commit, with a peer's state.
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        now = time.time()
+        heals.write(json.dumps({"ts": now, "step": manager.current_step(), "bytes": tensor_bytes(state),
+                                "quorum_to_load_s": now - quorum_started, "recv_s": transport.recv_s}) + "\n")
+        heals.flush()
+
+    # PGTransport, as train_ddp.py: the checkpoint goes over the quorum's gloo PG, no HTTP server.
+    pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=args.torchft_gloo_timeout))
+    transport = TimedTransport(pg, timeout=TRANSPORT_TIMEOUT, device=torch.device("cpu"))
+    manager = torchft.Manager(
+        pg=pg, min_replica_size=2, load_state_dict=load_state_dict, state_dict=state_dict,
+        replica_id=f"mlp_{group}", timeout=MANAGER_TIMEOUT, checkpoint_transport=transport,
+        hostname="127.0.0.1",
+        # Every replica builds the same weights (manual_seed), so step 0 needs no sync (torchft's advice);
+        # heals then mean a replica that came back.
+        init_sync=False,
+    )
+    ddp = DDP(manager, model)
+    opt = torchft.Optimizer(manager, optimizer)
+    if restart == "0":
+        # The lighthouse forms a quorum from the replicas heartbeating (min_replicas of them), so the ones
+        # still importing torch would join a few steps in by healing; at launch, wait (a bounded time) until
+        # every group's manager is up, so they all start at step 0 as in the other modes.
+        open(os.path.join(args.out, f"ready-torchft{group}"), "w").close()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(args.out, f"ready-torchft{i}"))
+                for i in range(int(os.environ.get("NUM_REPLICA_GROUPS", "1")))):
+            time.sleep(0.05)
+    with open(os.path.join(args.out, f"steps-{ident}.txt"), "a") as log:
+        while manager.current_step() < args.steps:
+            quorum_started = time.time()
+            opt.zero_grad(set_to_none=True)  # starts the step's quorum; the share below waits for it
+            n, rank, step = manager.num_participants(), manager.participating_rank(), manager.current_step()
+            # A healing replica (rank None) is not counted in n and torchft zeroes its gradients in the
+            # allreduce; as in train_ddp.py it still runs a batch, a participant's share in size.
+            share = rank if rank is not None else 0
+            first = step * args.global_batch + share * args.global_batch // n
+            last = step * args.global_batch + (share + 1) * args.global_batch // n
+            x, y = batch(list(range(first, last)), width)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            device_time(args.device_ms_per_sample, last - first)
+            opt.step()  # steps Adam only if every replica's should_commit agreed; then current_step advances
+            if manager.current_step() > step:
+                log.write(f"{step} {time.time()}\n")
+                log.flush()
+    manager.shutdown(wait=False)
+    heals.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("elastic", "ddp"), required=True)
+    p.add_argument("--mode", choices=("elastic", "ddp", "torchft"), required=True)
     p.add_argument("--size", choices=tuple(SIZES), default="10m")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--ckpt-every", type=int, default=0, help="ddp only: checkpoint-restart baseline")
+    p.add_argument("--device-ms-per-sample", type=float, default=0.0, help="idle sleep per local sample per step")
+    p.add_argument("--torchft-gloo-timeout", type=float, default=5.0, help="s, bounds a stuck allreduce")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -63,9 +196,13 @@ def main() -> None:
             for step in loop:
                 x, y = batch(step.indices, width)
                 nn.functional.mse_loss(model(x), y).backward()
+                device_time(args.device_ms_per_sample, len(step.indices))
                 if step.commit():
                     log.write(f"{step.number} {time.time()}\n")
                     log.flush()
+        return
+    if args.mode == "torchft":
+        run_torchft(args, model, optimizer, width)
         return
 
     # After a torchrun restart the agent's store still holds the last round's gloo addresses: namespace it.
@@ -89,6 +226,7 @@ def main() -> None:
             first = step * args.global_batch + rank * local
             x, y = batch(list(range(first, first + local)), width)
             nn.functional.mse_loss(ddp(x), y).backward()
+            device_time(args.device_ms_per_sample, local)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             log.write(f"{step} {time.time()}\n")
