@@ -9,7 +9,11 @@
 
 Each process appends "<global step> <unix time>" per committed step to <out>/steps-<id>.txt, which is all
 the driver (recovery/sigkill.py) reads, besides the elastic run's events file and torchft's heals-<id>.jsonl.
---device-ms-per-sample sleeps after each backward, an idle stand-in for accelerator time in every mode.
+--device-ms-per-sample sleeps between each forward and backward, an idle stand-in for accelerator time in every
+mode: a replica killed during it has sent none of its gradients, as one killed during a GPU's forward or backward
+(most of a step) would not have; sleeping after the backward instead would let every kill land after the victim's
+reduction, and no system would ever drop a step. torchft's discarded attempts (should_commit False) are logged to
+<out>/discarded-<id>.txt.
 """
 
 from __future__ import annotations
@@ -43,10 +47,12 @@ def batch(indices: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.flip(-1)
 
 
-def device_time(ms_per_sample: float, local_batch: int) -> None:
-    # The CPU idles here as it would while a GPU runs the step: other replicas' processes get the cores.
+def backward(loss: torch.Tensor, ms_per_sample: float, local_batch: int) -> None:
+    """The step's device time, then its backward (which reduces the gradients). The CPU idles through the first as
+    it would while a GPU runs the step: other replicas' processes get the cores."""
     if ms_per_sample:
         time.sleep(ms_per_sample * local_batch / 1000)
+    loss.backward()
 
 
 def tensor_bytes(tree: object) -> int:
@@ -147,7 +153,8 @@ def run_torchft(args: argparse.Namespace, model: nn.Module, optimizer: torch.opt
                 os.path.exists(os.path.join(args.out, f"ready-torchft{i}"))
                 for i in range(int(os.environ.get("NUM_REPLICA_GROUPS", "1")))):
             time.sleep(0.05)
-    with open(os.path.join(args.out, f"steps-{ident}.txt"), "a") as log:
+    with open(os.path.join(args.out, f"steps-{ident}.txt"), "a") as log, \
+            open(os.path.join(args.out, f"discarded-{ident}.txt"), "a") as discarded:
         while manager.current_step() < args.steps:
             quorum_started = time.time()
             opt.zero_grad(set_to_none=True)  # starts the step's quorum; the share below waits for it
@@ -158,12 +165,14 @@ def run_torchft(args: argparse.Namespace, model: nn.Module, optimizer: torch.opt
             first = step * args.global_batch + share * args.global_batch // n
             last = step * args.global_batch + (share + 1) * args.global_batch // n
             x, y = batch(list(range(first, last)), width)
-            nn.functional.mse_loss(ddp(x), y).backward()
-            device_time(args.device_ms_per_sample, last - first)
+            backward(nn.functional.mse_loss(ddp(x), y), args.device_ms_per_sample, last - first)
             opt.step()  # steps Adam only if every replica's should_commit agreed; then current_step advances
             if manager.current_step() > step:
                 log.write(f"{step} {time.time()}\n")
                 log.flush()
+            else:
+                discarded.write(f"{step} {time.time()}\n")
+                discarded.flush()
     manager.shutdown(wait=False)
     heals.close()
 
@@ -195,8 +204,7 @@ def main() -> None:
         with open(os.path.join(args.out, f"steps-{ident}.txt"), "a") as log:
             for step in loop:
                 x, y = batch(step.indices, width)
-                nn.functional.mse_loss(model(x), y).backward()
-                device_time(args.device_ms_per_sample, len(step.indices))
+                backward(nn.functional.mse_loss(model(x), y), args.device_ms_per_sample, len(step.indices))
                 if step.commit():
                     log.write(f"{step.number} {time.time()}\n")
                     log.flush()
@@ -225,8 +233,7 @@ def main() -> None:
         for step in range(start, args.steps):
             first = step * args.global_batch + rank * local
             x, y = batch(list(range(first, first + local)), width)
-            nn.functional.mse_loss(ddp(x), y).backward()
-            device_time(args.device_ms_per_sample, local)
+            backward(nn.functional.mse_loss(ddp(x), y), args.device_ms_per_sample, local)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             log.write(f"{step} {time.time()}\n")
@@ -236,6 +243,9 @@ def main() -> None:
                            ckpt + ".tmp")
                 os.replace(ckpt + ".tmp", ckpt)
     dist.destroy_process_group()
+    # Freeing DDP's reducer as main() returns can deadlock in torch 2.13 (~ProcessGroupGloo waits for its worker
+    # thread, which waits for the GIL the freeing thread holds to drop its last work): nothing is left to do.
+    os._exit(0)
 
 
 if __name__ == "__main__":
