@@ -34,8 +34,8 @@ from typing import Callable, Iterable, TypeVar
 from monarch_plugin.events import EventLog, read_events
 
 __all__ = ["BIN", "REPO", "RESULTS", "WORKLOADS", "add_out", "alternate", "alternate_table", "decile", "events",
-           "finished", "first_commits", "interleave", "intervals", "kill", "launch", "median", "progress", "reap",
-           "spawned", "step_log", "wait_for", "write_json"]
+           "finished", "first_commits", "grouped", "interleave", "intervals", "kill", "launch", "median", "median_range",
+           "plot_steps", "progress", "reap", "spawned", "step_log", "wait_for", "write_json"]
 
 T = TypeVar("T")
 
@@ -210,6 +210,24 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(measured) if measured else None
 
 
+def median_range(values: Iterable[float | None], fmt: str, spread: bool = True) -> str:
+    """The median of the measured `values` in `fmt`, with their range in brackets where there are several (and
+    `spread`): a table cell over repeats. "-" where nothing was measured."""
+    measured = sorted(v for v in values if v is not None)
+    if not measured:
+        return "-"
+    mid = fmt.format(statistics.median(measured))
+    return f"{mid} ({fmt.format(measured[0])}-{fmt.format(measured[-1])})" if spread and len(measured) > 1 else mid
+
+
+def grouped(results: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    """The results by the values of `keys` (a variant and its schedule: its repeats), in first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
 def decile(values: list[float]) -> float:
     """The 10th percentile: on a machine shared with other work, the steadier estimate of an unhindered pace."""
     return statistics.quantiles(values, n=10)[0]
@@ -228,3 +246,25 @@ def write_json(out: Path | str, name: str, results: object) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1) + "\n")
     return path
+
+
+def plot_steps(runs: list[tuple[str, dict]], path: Path, title: str, ylabel: str = "committed step") -> None:
+    """Steps over time under a failure schedule: each (label, run) as a line of the run's `series` ((seconds since
+    its first step, step) pairs), its `kill_times` as thin vertical lines of the same colour; a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for label, run in runs:
+        t, s = zip(*run["series"])
+        (line,) = ax.plot(t, s, label=label, lw=1.2)
+        for k in run["kill_times"]:
+            ax.axvline(k, color=line.get_color(), alpha=0.3, lw=0.8)
+    ax.set_xlabel("seconds since the first step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)

@@ -45,8 +45,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import (BIN, WORKLOADS, add_out, events, first_commits, kill, median, reap, spawned,
-                                step_log, wait_for, write_json)
+from benchmarks.harness import (BIN, WORKLOADS, add_out, events, first_commits, grouped, kill, median_range,
+                                plot_steps, reap, spawned, step_log, wait_for, write_json)
 from benchmarks.soak.kill_storm import members
 from monarch_plugin.events import read_events
 
@@ -178,24 +178,9 @@ def _all_pids(out: Path) -> list[int]:
 
 
 def plot(results: list[dict], every: float, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for r in results:
-        if r["every_s"] in (every, None):
-            t, s = zip(*r["series"])
-            (line,) = ax.plot(t, s, label=f"{r['variant']} ({r['goodput']:.2f})", lw=1.2)
-            for k in r["kill_times"]:
-                ax.axvline(k, color=line.get_color(), alpha=0.25, lw=0.8)
-    ax.set_xlabel("seconds since the first step")
-    ax.set_ylabel("step being trained")
-    ax.set_title(f"a SIGKILL every ~{every:.0f} s (thin lines), 4 workers, 10M MLP; goodput in brackets")
-    ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    plot_steps([(f"{r['variant']} ({r['goodput']:.2f})", r) for r in results if r["every_s"] in (every, None)], path,
+               f"a SIGKILL every ~{every:.0f} s (thin lines), 4 workers, 10M MLP; goodput in brackets",
+               ylabel="step being trained")
 
 
 def main() -> None:
@@ -241,13 +226,9 @@ def main() -> None:
 def table(results: list[dict], steps: int) -> str:
     """One row per variant and schedule: medians over the repeats (and the range of goodput where there are several)."""
     def middle(rows, fn, fmt, spread=False):
-        values = sorted(fn(r) for r in rows)
-        mid = fmt.format(median(values))
-        return mid if len(values) == 1 or not spread else f"{mid} ({fmt.format(values[0])}-{fmt.format(values[-1])})"
+        return median_range(map(fn, rows), fmt, spread)
 
-    groups: dict[tuple, list[dict]] = {}
-    for r in results:
-        groups.setdefault((r["variant"], r["every_s"]), []).append(r)
+    groups = grouped(results, "variant", "every_s")
     repeats = max(r["repeat"] for r in results) + 1
     lines = [f"Medians of {repeats} repeat(s); goodput's range in brackets.", "",
              f"| variant | kill every | kills | steps done (of {steps}) | seconds | samples/s | goodput | "
