@@ -35,7 +35,7 @@ from monarch_plugin.events import EventLog, read_events
 
 __all__ = ["BIN", "REPO", "RESULTS", "WORKLOADS", "add_out", "alternate", "alternate_table", "decile", "events",
            "finished", "first_commits", "grouped", "interleave", "intervals", "kill", "launch", "median", "median_range",
-           "plot_steps", "progress", "reap", "spawned", "step_log", "wait_for", "write_json"]
+           "mlp_workers", "plot_steps", "progress", "reap", "spawned", "step_log", "wait_for", "write_json"]
 
 T = TypeVar("T")
 
@@ -105,6 +105,23 @@ def reap(proc: subprocess.Popen, pids: dict[int, list[int]] | list[int] = ()) ->
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def mlp_workers(out: Path) -> list[int]:
+    """The workers of a `workloads/mlp.py` run in `out` (its events' spawns, its `pid-*` files) that still run the
+    benchmark's code: a dead one's pid may have been reused by then."""
+    pids = [p for ps in spawned(out / "events.jsonl").values() for p in ps]
+    pids += [int(p.read_text()) for p in out.glob("pid-*") if p.read_text().strip()]
+    ours = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"mlp.py" in cmdline or b"monarch_plugin.procs.forkserver" in cmdline:
+            ours.append(pid)
+    return ours
 
 
 def launch(command: list[str], run: Path, env: dict[str, str] | None = None) -> float:

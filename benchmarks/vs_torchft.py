@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import (BIN, WORKLOADS, add_out, events, first_commits, grouped, intervals, kill, median,
-                                median_range, plot_steps, reap, spawned, step_log, wait_for, write_json)
+                                median_range, mlp_workers, plot_steps, reap, spawned, step_log, wait_for, write_json)
 from benchmarks.soak.kill_storm import members
 from monarch_plugin.tools.report import recoveries
 
@@ -132,22 +132,10 @@ class Run:
         return live if len(live) > MIN_REPLICAS else []
 
     def reap(self) -> None:
-        pids = [p for ps in spawned(self.events).values() for p in ps]
-        pids += [int(p.read_text()) for p in self.out.glob("pid-*") if p.read_text().strip()]
         for proc in self.procs[1:]:
             reap(proc)
-        reap(self.procs[0], [pid for pid in pids if _ours(pid)])
+        reap(self.procs[0], mlp_workers(self.out))
         self.log.close()
-
-
-def _ours(pid: int) -> bool:
-    """Whether `pid` still runs this benchmark's code (a dead worker's pid may have been reused)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-    except OSError:
-        return False
-    return b"mlp.py" in cmdline or b"monarch_plugin.procs.forkserver" in cmdline
 
 
 def run(work: Path, variant: str, args: list[str], steps: int, every: float | None, seed: int, cap_s: float,
@@ -213,14 +201,15 @@ def measure(out: Path, variant: str, steps: int, kills: list[dict], capped: bool
     per_kill = []
     if variant.startswith("monarch"):
         run_events = events(out / "events.jsonl")
+        recs = recoveries(run_events)
         result["steps_lost"] = len({(e["gen"], e["step"]) for e in run_events if e["event"] == "dropped_step"})
-        for rec in recoveries(run_events):
+        for rec in recs:
             if rec.killed_at is None:
                 continue
             survivors = [ts for name, log in logs.items() if name != str(rec.replica) for _, ts in log]
             per_kill.append({"next_commit_s": min((t for t in survivors if t > rec.killed_at), default=None),
                              "replacement_s": rec.participating_at, "kill": rec.killed_at})
-        result["heal_bytes"] = [rec.heal_bytes for rec in recoveries(run_events) if rec.heal_bytes]
+        result["heal_bytes"] = [rec.heal_bytes for rec in recs if rec.heal_bytes]
     elif variant.startswith("torchft"):
         # Every participant logs the attempt it discarded, one stuck on another survivor up to gloo's timeout
         # later: one attempt is the same step within DISCARD_WINDOW_S.
@@ -241,10 +230,10 @@ def measure(out: Path, variant: str, steps: int, kills: list[dict], capped: bool
         k["replacement_s"] = None if k["replacement_s"] is None else k["replacement_s"] - k["kill"]
     result["per_kill"] = per_kill
     if kills:
-        marks = monarch_marks(events(out / "events.jsonl"), commits) if variant.startswith("monarch") \
+        marks = monarch_marks(run_events, recs, commits) if variant.startswith("monarch") \
             else torchft_marks(per_kill, commits)
         result["marks"] = [[round(m - start, 3) for m in kill_marks] for kill_marks in marks]
-    print(json.dumps({k: v for k, v in result.items() if k not in ("series", "kill_times", "account")}), flush=True)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("series", "kill_times", "marks")}), flush=True)
     return result
 
 
@@ -281,14 +270,14 @@ def account(marks_per_kill: list[list[float]], commits: dict[int, float], phases
     return {"steady_step_s": steady, "phases_s": lost, "between_s": total - covered, "total_s": total}
 
 
-def monarch_marks(run_events: list[dict], commits: dict[int, float]) -> list[list[float]]:
+def monarch_marks(run_events: list[dict], recs: list, commits: dict[int, float]) -> list[list[float]]:
     """Each kill's phase boundaries from the events: the death noticed, the survivors' attempt dropped, then at
     commits (from the step logs, so each commit falls in one phase): the survivors' first after the drop, the last
     before the generation that admits the replacement, the replacement's first."""
     times = sorted(commits.values())
     quorums = [e for e in run_events if e["event"] == "quorum"]
     found = []
-    for rec in recoveries(run_events):
+    for rec in recs:  # the events' `recoveries`
         if rec.killed_at is None or rec.participating_step not in commits:
             continue
         gen = next((q["gen"] for q in reversed(quorums) if q["ts"] < rec.detected_at), None)

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import (BIN, WORKLOADS, add_out, events, first_commits, grouped, kill, median_range,
-                                plot_steps, reap, spawned, step_log, wait_for, write_json)
+                                mlp_workers, plot_steps, reap, spawned, step_log, wait_for, write_json)
 from benchmarks.soak.kill_storm import members
 from monarch_plugin.events import read_events
 
@@ -134,7 +134,7 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
             proc.terminate()  # monarch-run and torchrun each stop their workers on SIGTERM
         rc = proc.wait(timeout=60)
     finally:
-        reap(proc, _all_pids(out))
+        reap(proc, mlp_workers(out))
         log.close()
     if rc != 0 and not capped:
         raise RuntimeError(f"{variant} failed (rc {rc}); see {out / 'run.log'}")
@@ -159,22 +159,6 @@ def run(work: Path, variant: str, steps: int, every: float | None, seed: int, ca
     result["steps_done"] = progress[-1][0] + 1 if capped else steps  # where it stood when stopped
     print(json.dumps({k: v for k, v in result.items() if k not in ("series", "kill_times")}), flush=True)
     return result
-
-
-def _all_pids(out: Path) -> list[int]:
-    """The workers this run reported that still run this benchmark's code (a pid of a dead one may be reused)."""
-    pids = [p for ps in spawned(out / "events.jsonl").values() for p in ps]
-    pids += [int(p.read_text()) for p in out.glob("pid-*-*") if p.read_text().strip()]
-    ours = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if b"mlp.py" in cmdline or b"monarch_plugin.procs.forkserver" in cmdline:
-            ours.append(pid)
-    return ours
 
 
 def plot(results: list[dict], every: float, path: Path) -> None:
