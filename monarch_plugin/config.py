@@ -24,16 +24,18 @@ from typing import Callable
 from monarch_plugin.errors import ConfigError
 from monarch_plugin.net import parse_host, route_address, wildcard
 
-__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "LOOP_ONLY", "cli_flag", "field_default", "field_docs",
+__all__ = ["ElasticConfig", "BATCH_POLICIES", "BACKENDS", "LOOP_ONLY", "SEMI_SYNC", "cli_flag", "field_default", "field_docs",
            "front_end_fields", "front_end_settings", "given", "in_slurm_allocation", "spell_fields"]
 
 BATCH_POLICIES = ("constant_global", "constant_local")
 BACKENDS = ("auto", "gloo", "nccl")
+SEMI_SYNC = ("diloco", "local_sgd")
 LOOP_ONLY = ("batch_policy", "scale_lr_with_replicas", "checkpoint_steps", "checkpoint_interval_s", "checkpoint_keep",
-             "resume")
-"""`ElasticLoop`'s own settings: its batch policy and its durable checkpoints. The framework front ends keep the
-global batch constant (their steps per epoch are fixed when training starts) and checkpoint the framework's way
-(Lightning's `ModelCheckpoint`, HF's `save_steps`, torchtitan's `--checkpoint.*`), so they do not take these."""
+             "resume", "sync_every", "semi_sync")
+"""`ElasticLoop`'s own settings: its batch policy, its durable checkpoints and, for now, semi-synchronous training.
+The framework front ends keep the global batch constant (their steps per epoch are fixed when training starts) and
+checkpoint the framework's way (Lightning's `ModelCheckpoint`, HF's `save_steps`, torchtitan's `--checkpoint.*`), so
+they do not take these; nor do they train semi-synchronously yet (their strategies reduce gradients every step)."""
 
 
 @dataclass
@@ -66,6 +68,17 @@ class ElasticConfig:
     scale_lr_with_replicas: bool = False
     """Only with "constant_local": scale the optimizer's learning rates by live/max replicas (linear
     scaling rule) while the group is smaller than ``max_replicas``."""
+
+    sync_every: int = 1
+    """Semi-synchronous training (``semi_sync``): each replica takes this many optimizer steps on its own shares of
+    the global batches, then the replicas sync, as torchft's DiLoCo and LocalSGD ``sync_every`` (torchtitan's
+    ``sync_steps``). A death between syncs costs only the dead replica's steps since the last sync: the survivors
+    train its samples before they sync. 1: synchronous, the gradients reduced at every step."""
+
+    semi_sync: str = "diloco"
+    """With ``sync_every`` above 1, what a sync does: "diloco" steps an outer optimizer (Nesterov SGD, lr 0.7, momentum
+    0.9, unless ``ElasticLoop(outer_optimizer=...)``) with the replicas' mean pseudo-gradient, the synced parameters
+    minus the local ones (DiLoCo); "local_sgd" averages the parameters (LocalSGD)."""
 
     spares: int = 0
     """Hot spare replica groups: they run the training code up to the point of joining and wait there,
@@ -283,6 +296,16 @@ class ElasticConfig:
                 "'constant_global' the global batch, and so the right learning rate, never changes)",
                 "scale_lr_with_replicas",
             )
+        if self.sync_every < 1:
+            raise ConfigError(f"`sync_every` must be 1 (synchronous) or more local steps between syncs, got "
+                              f"{self.sync_every}", "sync_every")
+        if self.semi_sync not in SEMI_SYNC:
+            raise ConfigError(f"unknown `semi_sync` {self.semi_sync!r}: choose one of {', '.join(SEMI_SYNC)}",
+                              "semi_sync")
+        if self.sync_every > 1 and self.procs_per_replica > 1:
+            raise ConfigError(f"`sync_every` {self.sync_every} trains each replica on its own between syncs, which "
+                              "ElasticLoop does for replicas of one proc only: set `procs_per_replica` 1, or "
+                              "`sync_every` 1 (synchronous)", "sync_every")
         for name in ("max_restarts", "crash_loop_limit", "spares", "checkpoint_steps", "checkpoint_keep"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"`{name}` must be 0 or more, got {getattr(self, name)}", name)

@@ -558,7 +558,8 @@ def _check_arguments(trainer, ctx) -> None:
             f"{', '.join(chosen)}: ElasticLoop's own settings. MonarchElasticCallback keeps the global batch "
             "constant (HF's steps per epoch are fixed when train() starts), and checkpoints are the Trainer's own, "
             "TrainingArguments(save_steps=...) and trainer.train(resume_from_checkpoint=...) (one replica writes "
-            "them): drop the flags"
+            "them); it reduces the gradients at every step (semi-synchronous training is ElasticLoop's only, for "
+            "now): drop the flags"
         )
     if args.train_sampling_strategy not in ("random", "sequential"):
         raise ValueError(

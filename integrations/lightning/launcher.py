@@ -94,8 +94,10 @@ def take_settings(strategy: str, elastic: Optional[ElasticConfig], kwargs: dict)
             raise MisconfigurationException(f"{strategy}({name}=...) is set by {FROM_TRAINER[name]}: drop it")
         elif name in LOOP_ONLY:
             raise MisconfigurationException(
-                f"{strategy}({name}=...) is ElasticLoop's own: under Lightning the global batch stays constant, and "
-                "checkpoints are a ModelCheckpoint callback's and trainer.fit(ckpt_path=...)'s (one replica writes)")
+                f"{strategy}({name}=...) is ElasticLoop's own: under Lightning the global batch stays constant, "
+                "checkpoints are a ModelCheckpoint callback's and trainer.fit(ckpt_path=...)'s (one replica writes), "
+                "and the gradients are reduced at every step (semi-synchronous training is ElasticLoop's only, "
+                "for now)")
         elif name not in lightnings:
             close = difflib.get_close_matches(name, [*_SETTINGS, *lightnings], n=1)
             hint = f"did you mean `{close[0]}`? " if close else ""

@@ -83,6 +83,9 @@ def config_errors() -> list[str]:
     dict(store_host="0.0.0.0"),
     dict(token_file="token"),
     dict(fault="explode:step=3"),
+    dict(sync_every=0),
+    dict(semi_sync="streaming"),
+    dict(sync_every=2, procs_per_replica=2),
 ])
 def test_each_raised_config_error_is_listed(kwargs, config_errors):
     with pytest.raises(ConfigError) as raised:

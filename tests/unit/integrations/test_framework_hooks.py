@@ -26,6 +26,7 @@ def test_every_setting_is_a_lightning_argument_with_its_one_default():
     (dict(min_replica=2), "no argument `min_replica`: did you mean `min_replicas`?"),
     (dict(replicas=3), r"MonarchStrategy\(replicas=...\) is set by `Trainer\(devices=..., num_nodes=...\)`"),
     (dict(checkpoint_steps=5), "ElasticLoop's own: .* ModelCheckpoint"),
+    (dict(sync_every=20), r"sync_every=...\) is ElasticLoop's own: .*semi-synchronous training is ElasticLoop's only"),
     (dict(elastic=ElasticConfig(batch_policy="constant_local")), r"batch_policy=...\) is ElasticLoop's own"),
 ])
 def test_a_strategy_argument_it_cannot_honour_is_refused_naming_the_fix(kwargs, message):

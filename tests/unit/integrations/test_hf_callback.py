@@ -72,6 +72,8 @@ def test_under_plain_python_the_callback_is_inactive(tmp_path):
     ({"max_replicas": 5}, {}, r"per_device_train_batch_size=2 x 2 replica\(s\) is a global batch of 4 samples, which "
                               r"cannot be split over up to 5 replicas: raise per_device_train_batch_size"),
     ({"batch_policy": "constant_local"}, {}, r"--batch-policy: ElasticLoop's own settings.* drop the flags"),
+    ({"sync_every": 20}, {}, r"--sync-every: ElasticLoop's own settings.*semi-synchronous training is ElasticLoop's "
+     r"only, for now\): drop the flags"),
     ({"procs": 2}, {}, r"one process per replica, got --procs-per-replica 2: drop the flag"),
     ({}, {"auto_find_batch_size": True}, r"auto_find_batch_size=True is not supported by MonarchElasticCallback \(it "
                                          r"changes the global batch mid-run\): remove it"),
