@@ -29,6 +29,7 @@ The other points of `at=` move it to a point of the recovery protocol, the first
     heal_donor       serving its state to a newcomer, after the header, before the tensors
     heal_recipient   receiving state, after the header, before the tensors
     stop_checkpoint  writing the checkpoint of a run that stops (a give-up, a signal), before its files
+    sync             a semi-synchronous replica's sync, its pseudo-gradients computed, before it reduces them
 
     sigkill:replica=3:at=construct,sigkill:replica=4:at=arrived
 
@@ -52,7 +53,8 @@ from monarch_plugin.errors import ConfigError
 __all__ = ["FaultSpec", "InjectedFault", "parse_faults", "MODES", "POINTS"]
 
 MODES = ("sigkill", "exit", "segv", "hang", "stop", "gil", "raise", "oom")
-POINTS = ("step", "forward", "backward", "arrived", "construct", "heal_donor", "heal_recipient", "stop_checkpoint")
+POINTS = ("step", "forward", "backward", "arrived", "construct", "heal_donor", "heal_recipient", "stop_checkpoint",
+          "sync")
 _IN_STEP = ("step", "forward", "backward")
 
 

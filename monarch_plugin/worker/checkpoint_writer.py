@@ -38,8 +38,9 @@ class CheckpointWriter:
         """Pinned host buffers a GPU state is copied into, kept from one write to the next (`detached_copy`): as
         much host memory as one copy of the state, held for the run."""
 
-    def due(self, step: int) -> bool:
-        if self._every_steps and step % self._every_steps == 0:
+    def due(self, step: int, steps: int = 1) -> bool:
+        """At `step` committed steps, the last `steps` of them committed together (a semi-synchronous sync's round)."""
+        if self._every_steps and step // self._every_steps > (step - steps) // self._every_steps:
             return True
         return bool(self._every_s) and time.monotonic() - self._last_at >= self._every_s
 

@@ -9,6 +9,11 @@
 Under `monarch-run` every replica runs this same loop; a step that a death interrupts is dropped and redone
 by the new group, a newcomer is healed before its first step, and the loop ends on the same step on every
 replica. Under plain `python` it is an ordinary single-process loop.
+
+With `monarch-run --sync-every H` the replicas train semi-synchronously (DiLoCo, or LocalSGD with `--semi-sync
+local_sgd`; `monarch_plugin.worker.semi_sync`): `step.commit()` steps this replica's optimizer alone, and every H
+steps the loop syncs the replicas between two steps. The same loop body serves both; a sync's summed metrics are
+`loop.sync_metrics`, and `loop.syncs` counts the syncs committed.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from monarch_plugin.config import ElasticConfig
 from monarch_plugin.data.sampler import ElasticSampler
 from monarch_plugin.worker import context as _context
 from monarch_plugin.worker.checkpoint_writer import CheckpointWriter
+from monarch_plugin.worker.semi_sync import SemiSync
 from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 from monarch_plugin.worker.window import StepWindow
@@ -51,6 +57,9 @@ class Step:
     committed: bool | None = None
     metrics: dict[str, float | torch.Tensor] = field(default_factory=dict)
     weight: float = field(default=1.0, repr=False)
+    extra: bool = False
+    """Semi-synchronous: samples of a replica lost since the last sync, trained by this one before the sync (with the
+    number of the round's last step); its commit steps the optimizer, not the learning-rate scheduler."""
 
     def no_sync(self):
         """Context for every backward but the last of a step (gradient accumulation), as DDP's no_sync."""
@@ -63,6 +72,10 @@ class Step:
         Keyword metrics (numbers or tensors) are summed across the replicas inside the same transaction,
         so they count exactly the committed step (available as `step.metrics`). Returns False when the step was
         dropped; the loop then retries it.
+
+        Semi-synchronous (`sync_every` above 1), a step is this replica's own: its optimizer steps, the metrics stay
+        its own (`step.metrics`), and it always commits. They are summed over the replicas at the round's sync, over
+        the samples the synced model learned (`loop.sync_metrics`).
         """
         if self.committed is not None:
             raise RuntimeError(f"step {self.number} was already committed: call step.commit() once per step")
@@ -86,7 +99,10 @@ class ElasticLoop:
         drop_last: bool = False,
         extra_state=None,
         overlap: bool = True,
+        outer_optimizer: torch.optim.Optimizer | None = None,
     ):
+        """`outer_optimizer`: semi-synchronous DiLoCo's (`sync_every` above 1), over `model.parameters()`; Nesterov
+        SGD (lr 0.7, momentum 0.9) if not given. Under plain `python` the loop is one process and never syncs."""
         if max_steps is None and max_epochs is None:
             raise ValueError("give ElasticLoop max_steps or max_epochs so every replica knows when to stop")
         if global_batch_size < 1:
@@ -116,6 +132,11 @@ class ElasticLoop:
                 "scale_lr_with_replicas rescales the learning rate at each resize and would fight the LR "
                 "scheduler: scale inside your scheduler's lambda with loop.num_replicas instead"
             )
+        semi = self.ctx is not None and _semi_synchronous(self.config, outer_optimizer)
+        self._semi = SemiSync(model, self.config.semi_sync, self.config.sync_every, outer_optimizer) if semi else None
+        self.sync_metrics: dict[str, float | torch.Tensor] = {}
+        """The newest sync's metrics: what the replicas' steps passed to `commit` since the sync before, summed over
+        the samples the synced model learned (semi-synchronous)."""
         self.tx = (
             StepTransaction(self.ctx, self, list(model.parameters()), buffers_of=[model], overlap=overlap,
                             give_up=self._write_checkpoint, restore=self._restore)
@@ -143,6 +164,11 @@ class ElasticLoop:
     @property
     def num_replicas(self) -> int:
         return self.tx.world if self.tx else 1
+
+    @property
+    def syncs(self) -> int:
+        """The run's syncs committed (semi-synchronous; 0 otherwise)."""
+        return self._semi.syncs if self._semi is not None else 0
 
     @property
     def rank(self) -> int:
@@ -187,6 +213,9 @@ class ElasticLoop:
                 if tx:
                     tx.finish(lambda: self.step)
                 break
+            if self._semi is not None:
+                yield from self._round()
+                continue
             if tx:
                 tx.begin(self.step)
             step = Step(
@@ -198,12 +227,80 @@ class ElasticLoop:
                            else 1.0 / self.num_replicas)
             if tx:
                 tx.arm(step.weight)
-            yield step
-            if step.committed is None:
-                raise RuntimeError("call step.commit() at the end of every step of an ElasticLoop")
+            yield from self._yield(step)
+
+    def _round(self) -> Iterator[Step]:
+        """Semi-synchronous: the round's local steps, then its sync, redone in each new generation until it commits
+        (with the samples of the replicas lost meanwhile trained first). A replica healed into a round whose sync is in
+        progress goes straight to it."""
+        semi, tx, start = self._semi, self.tx, self.step
+        rid = self.ctx.replica_id
+
+        def local(number: int, indices: list[int], extra: bool = False) -> Step:
+            return Step(number=number, epoch=self.sampler.epoch, indices=indices, rank=self.rank,
+                        num_replicas=self.num_replicas, generation=tx.gen, _loop=self, extra=extra)
+
+        if semi.round is None:
+            steps = semi.every if self.max_steps is None else min(semi.every, self.max_steps - self.step)
+            batches = self.sampler.window(self._step_batch_size(), steps)  # never past the epoch's end
+            semi.start(batches, tx.session.members)
+            tx.begin(start)
+            for i, indices in enumerate(semi.round.trained[rid]):
+                if i:
+                    tx.local_step(start + i)
+                yield from self._yield(local(start + i, indices))
+        while True:
+            tx.sync(start)
+            if self.step != start or semi.round is None:
+                return  # healed past the sync (a peer committed it while this replica dropped it), or restored
+            for indices in semi.round.regroup(tx.session.members)[rid]:
+                yield from self._yield(local(start + semi.round.steps - 1, indices, extra=True))
+            if self._sync(start):
+                return
+
+    def _yield(self, step: Step) -> Iterator[Step]:
+        yield step
+        if step.committed is None:
+            raise RuntimeError("call step.commit() at the end of every step of an ElasticLoop")
+
+    def _sync(self, start: int) -> bool:
+        """The round's sync, one transaction: the pseudo-gradients summed over the generation, each weighted by its
+        replica's share of the round's samples, with the round's metrics; then the outer step. False if dropped."""
+        semi, tx = self._semi, self.tx
+        rid = self.ctx.replica_id
+        ledger = semi.round
+        names, values = semi.metric_values()
+        flat = [x for t in values for x in t.reshape(-1).tolist()]
+        semi.pseudo_gradients()
+        self.ctx.fault_point("sync", start)
+        tx.arm(ledger.weight(rid))
+        reduced = tx.reduce(start + ledger.steps - 1, flat, lambda: self.optimizer.zero_grad(set_to_none=True))
+        if reduced is None:
+            return False
+        semi.outer_step()
+        offset, summed = 0, {}
+        for name, t in zip(names, values):
+            value = torch.tensor(reduced[offset : offset + t.numel()], dtype=torch.float64).reshape(t.shape)
+            summed[name] = value.item() if t.dim() == 0 else value
+            offset += t.numel()
+        self.sync_metrics = summed
+        self.sampler.advance(ledger.size, ledger.steps)
+        self.step += ledger.steps
+        tx.committed(self.step - 1)
+        if self._checkpoints is not None and self.rank == 0 and self._checkpoints.due(self.step, ledger.steps):
+            self._periodic_checkpoint()
+        return True
 
     def _commit(self, step: Step, metrics: dict) -> bool:
         tensors = {k: torch.as_tensor(v).detach().to(torch.float64).cpu() for k, v in metrics.items()}
+        if self._semi is not None:  # this replica's own step: the round's sync sums its metrics
+            self._semi.add_metrics(tensors)
+            step.metrics = {k: t.item() if t.dim() == 0 else t for k, t in tensors.items()}
+            self.optimizer.step()
+            if self.scheduler is not None and not step.extra:
+                self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return True
         values = [x for t in tensors.values() for x in t.reshape(-1).tolist()]
         batch = self._step_batch_size()
         weight = step.weight
@@ -256,8 +353,11 @@ class ElasticLoop:
     # -- the state a newcomer heals from -----------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        model = self.model.state_dict()
+        if self._semi is not None:  # the run's state is the synced one, whatever this replica trained since
+            model.update(self._semi.synced)
         state = {
-            "model": self.model.state_dict(),
+            "model": model,
             "optimizer": self.optimizer.state_dict(),
             "sampler": self.sampler.state_dict(),
             "step": self.step,
@@ -267,10 +367,14 @@ class ElasticLoop:
             state["scheduler"] = self.scheduler.state_dict()
         if self.extra_state is not None:
             state["extra"] = self.extra_state.state_dict()
+        if self._semi is not None:
+            state["semi"] = self._semi.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
+        if self._semi is not None:
+            self._semi.load_state_dict(state["semi"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
@@ -292,21 +396,30 @@ class ElasticLoop:
 
     # -- durable checkpoints -------------------------------------------------------------------------------
 
-    def checkpoint_state(self, lane: int | None = None) -> dict:
+    def checkpoint_state(self, lane: int | None = None, outer: bool = True) -> dict:
         """The state a durable checkpoint holds, as DCP writes it: the model's and optimizer's tensors by name
         (sharded as this proc holds them), the loop's counters once, and this proc's random generators as
-        `lane{k}`. With `lane`, what loading lane `lane`'s generators into this proc reads."""
+        `lane{k}`. With `lane`, what loading lane `lane`'s generators into this proc reads. Semi-synchronous, the
+        model is as the last sync left it (call it between syncs, or under `SemiSync.synced_parameters`), the
+        optimizer is this replica's own, and the outer optimizer's state and the syncs count are there too, unless
+        `outer` is False (the skeleton of a checkpoint a synchronous run wrote)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict  # DCP's: not at a replica's start
 
         model, optimizer = get_state_dict(self.model, self.optimizer)
         loop = {"sampler": self.sampler.state_dict(), "step": self.step}
+        semi = self._semi is not None and outer
+        if semi:
+            loop["syncs"] = self._semi.syncs
         if self.scheduler is not None:
             loop["scheduler"] = self.scheduler.state_dict()
         if self.extra_state is not None:
             loop["extra"] = self.extra_state.state_dict()
         rng = rng_state(self._device)
-        return {"model": model, "optimizer": optimizer, "loop": loop,
-                f"lane{self._lane if lane is None else lane}": rng}
+        state = {"model": model, "optimizer": optimizer, "loop": loop,
+                 f"lane{self._lane if lane is None else lane}": rng}
+        if semi:
+            state["outer"] = get_state_dict(self.model, self._semi.outer)[1]
+        return state
 
     def _checkpoint_group(self):
         """The group this replica's procs write and read checkpoints on: a gloo group of their own over their default
@@ -334,7 +447,8 @@ class ElasticLoop:
         from monarch_plugin.worker import dcp_io
 
         path = step_path(self.config.checkpoint_dir, committed)  # the steps the state holds (`StepTransaction.held`)
-        dcp_io.save(self.checkpoint_state(), path, self._checkpoint_group(), self.config.share_files)
+        with self._semi.synced_parameters() if self._semi is not None else contextlib.nullcontext():
+            dcp_io.save(self.checkpoint_state(), path, self._checkpoint_group(), self.config.share_files)
         return path if self._lane == 0 else None
 
     def _restore(self, path: str) -> int:
@@ -388,8 +502,10 @@ class ElasticLoop:
                              "resume another one, or 'auto' for the newest intact one") from e
         saved = {key.split(".")[0] for key in metadata.state_dict_metadata if key.startswith("lane")}
         lane = self._lane % len(saved) if saved else self._lane
+        # A synchronous run's checkpoint holds no outer optimizer: a semi-synchronous one resumed from it starts one.
+        outer = any(key.startswith("outer.") for key in metadata.state_dict_metadata)
         try:
-            state = dcp_io.load(self.checkpoint_state(lane), path, self._checkpoint_group())
+            state = dcp_io.load(self.checkpoint_state(lane, outer), path, self._checkpoint_group())
         except (Exception, dcp_io.CheckpointException) as e:  # DCP's wraps a missing key, another shape
             code = re.search(r"GLOBAL (\S+)", str(e))
             if code:
@@ -401,6 +517,12 @@ class ElasticLoop:
                              "`resume`") from e
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+        if self._semi is not None:
+            if "outer" in state:
+                set_state_dict(self.model, self._semi.outer, model_state_dict={}, optim_state_dict=state["outer"])
+            self._semi.round = None  # a round in flight is the checkpoint's no more: the next starts from its step
+            self._semi.syncs = state["loop"].get("syncs", 0)
+            self._semi.resync()
         loop = state["loop"]
         self.sampler.load_state_dict(loop["sampler"])
         self.step = loop["step"]
@@ -412,3 +534,16 @@ class ElasticLoop:
         if self.tx:
             self.tx.session.fresh = False
         return True
+
+
+def _semi_synchronous(config: ElasticConfig, outer_optimizer) -> bool:
+    """Whether the run trains semi-synchronously (`sync_every` above 1); refuses an outer optimizer it would not use."""
+    if config.sync_every == 1:
+        if outer_optimizer is not None:
+            raise ValueError("outer_optimizer is DiLoCo's, for semi-synchronous training: run with monarch-run "
+                             "--sync-every H (H above 1), or drop it")
+        return False
+    if outer_optimizer is not None and config.semi_sync == "local_sgd":
+        raise ValueError("LocalSGD averages the parameters and takes no outer_optimizer: drop it, or run with "
+                         "--semi-sync diloco")
+    return True

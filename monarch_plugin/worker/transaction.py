@@ -155,6 +155,13 @@ class StepTransaction:
         self.ctx.fault_point("step", step)
         self.reducer.begin_attempt(step)
 
+    def local_step(self, step: int) -> None:
+        """A semi-synchronous replica's own step `step` starts, after the round's first (`begin`): nothing is reduced
+        until the round's sync, but the controller sees it computing and the fault injected there fires."""
+        self._step = step
+        self.session.flags.set_phase(Phase.COMPUTE, step)
+        self.ctx.fault_point("step", step)
+
     def arm(self, weight: float) -> None:
         """The attempt's (last) backward reduces as gradients arrive, each scaled by `weight`, this replica's
         fraction of the step's samples, so the sum over replicas is the mean over the global batch."""
