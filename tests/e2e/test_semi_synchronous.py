@@ -20,7 +20,7 @@ import pytest
 from support.procs import alive
 
 from monarch_plugin.storage.checkpoint import step_path
-from support.runs import WORKLOADS
+from support.runs import WORKLOADS, saved_on_controller_loss
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -130,10 +130,14 @@ def test_sigterm_drains_a_replica_at_the_next_sync_with_its_local_steps_learned(
     _no_orphans(run)
 
 
+@pytest.mark.parametrize("stop", ["sigterm", "controller_lost"])
 def test_a_stop_mid_round_checkpoints_the_synced_state_and_periodic_ones_hold_the_outer_optimizer_both_resume_exactly(
-        elastic_run):
-    """Plain SGD inside the replicas (no state of a replica's own), DiLoCo's Nesterov momentum outside: a relaunch from
-    the stop's checkpoint, and one from a periodic checkpoint, end with the parameters of the run never stopped."""
+        elastic_run, stop):
+    """Plain SGD inside the replicas (no state of a replica's own), DiLoCo's Nesterov momentum outside: the controller
+    told to stop (SIGTERM), or SIGKILLed, while the replicas are two steps into a round. The replicas learn of it at
+    the round's sync, and the generation's first replica writes the last synced state (a stop's checkpoint, or the
+    one a lost controller leaves). A relaunch from it, and one from a periodic checkpoint, end with the parameters of
+    the run never stopped."""
     exact = (*LOOP, "--inner", "sgd")
     clean = elastic_run()
     clean.start("--replicas", "2", "--sync-every", str(H), "--checkpoint-steps", "8", script=SCRIPT,
@@ -144,12 +148,21 @@ def test_a_stop_mid_round_checkpoints_the_synced_state_and_periodic_ones_hold_th
     first.start("--replicas", "2", "--sync-every", str(H), script=SCRIPT,
                 script_args=(*exact, "--pause", f"10:{hold}", "--out", str(first.out)))
     _held(first, 10, 2)
-    os.kill(first.proc.pid, signal.SIGTERM)
-    first.wait_for(lambda: "SIGTERM received" in (first.tmp / "run.log").read_text(), timeout=60, what="the stop")
-    hold.unlink()  # the replicas hear of the stop at the round's sync
-    assert first.wait(timeout=120) == 143, first.output
-    [give_up] = first.events("give_up")
-    assert give_up["checkpoint"] == step_path(str(first.tmp / "ckpt"), 8)  # the synced state: steps 8-11 were local
+    synced = step_path(str(first.tmp / "ckpt"), 8)  # the synced state: steps 8 to 11 were local
+    if stop == "sigterm":
+        os.kill(first.proc.pid, signal.SIGTERM)
+        first.wait_for(lambda: "SIGTERM received" in (first.tmp / "run.log").read_text(), timeout=60,
+                       what="the stop")
+        hold.unlink()
+        assert first.wait(timeout=120) == 143, first.output
+        [give_up] = first.events("give_up")
+        assert give_up["checkpoint"] == synced
+    else:
+        os.kill(first.proc.pid, signal.SIGKILL)
+        hold.unlink()
+        first.kill_controller(within=30)
+        writer = saved_on_controller_loss(first.events("controller_lost"), (0, 1))
+        assert writer["checkpoint"] == synced
     _no_orphans(first)
 
     assert clean.wait(timeout=180) == 0, clean.output
