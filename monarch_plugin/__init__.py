@@ -30,6 +30,7 @@ _WHERE = {
     "ReplicaCodeError": ("monarch_plugin.errors", "ReplicaCodeError"),
     "RunResult": ("monarch_plugin.controller", "RunResult"),
     "Step": ("monarch_plugin.worker.loop", "Step"),
+    "Sync": ("monarch_plugin.worker.loop", "Sync"),
     "Target": ("monarch_plugin.target", "Target"),
     "read_events": ("monarch_plugin.events", "read_events"),
     "weights_checksum": ("monarch_plugin.storage.checksum", "weights_checksum"),

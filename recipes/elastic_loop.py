@@ -6,6 +6,11 @@ One replica SIGKILLs itself at step 15; the other two drop that step, shrink to 
 replacement is spawned, healed from a live peer, and joins. Every replica prints the same final
 checksum. Also runs without monarch-run: `python recipes/elastic_loop.py`.
 
+The same script trains semi-synchronously (DiLoCo: each replica takes 8 steps on its own, then they sync), where the
+kill costs only the dead replica's steps since the last sync:
+
+    monarch-run --replicas 3 --sync-every 8 --fault sigkill:replica=1:step=15 recipes/elastic_loop.py
+
 With --out DIR each replica writes what the tests check: its final step, a checksum of its weights and
 how many times each sample of each epoch took part in a committed step.
 """
@@ -55,7 +60,23 @@ def main() -> None:
     ctx = worker_context()
     replica = ctx.replica_id if ctx else 0
     seen = torch.zeros(args.epochs, args.samples)
+    counted = None
+
+    def count_sync() -> None:
+        """Semi-synchronous: a sync commits what the replicas learned since the one before, between two steps."""
+        nonlocal counted
+        sync = loop.last_sync
+        if sync is None or sync is counted:
+            return
+        counted = sync
+        seen[sync.epoch] += sync.metrics["seen"].float()
+        if loop.rank == 0:
+            mean = sync.metrics["loss_sum"] / sync.metrics["samples"]
+            print(f"[replica {replica}] sync {sync.number:3d} at step {sync.step:3d} epoch {sync.epoch} loss "
+                  f"{mean:.4f} replicas {loop.num_replicas}", flush=True)
+
     for step in loop:
+        count_sync()
         idx = torch.tensor(step.indices, dtype=torch.long)
         loss = nn.functional.mse_loss(model(x[idx]), y[idx])
         loss.backward()
@@ -68,8 +89,9 @@ def main() -> None:
             print(f"[replica {replica}] step {step.number} dropped (generation {step.generation}); retrying",
                   flush=True)
             continue
-        seen[step.epoch] += step.metrics["seen"].float()
-        if step.rank == 0 and step.number % 5 == 0:
+        if loop.sync_every == 1:  # synchronous: the step's metrics are every replica's (semi: this one's own)
+            seen[step.epoch] += step.metrics["seen"].float()
+        if loop.sync_every == 1 and step.rank == 0 and step.number % 5 == 0:
             mean = step.metrics["loss_sum"] / step.metrics["samples"]
             print(f"[replica {replica}] step {step.number:3d} epoch {step.epoch} loss {mean:.4f} "
                   f"replicas {step.num_replicas}", flush=True)
@@ -77,6 +99,7 @@ def main() -> None:
             with open(os.path.join(args.out, f"progress-{replica}"), "w") as f:
                 f.write(str(loop.step))
 
+    count_sync()
     digest = weights_checksum(model)
     print(f"[replica {replica}] done at step {loop.step}: weights {digest}", flush=True)
     if args.out:

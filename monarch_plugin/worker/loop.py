@@ -12,8 +12,8 @@ replica. Under plain `python` it is an ordinary single-process loop.
 
 With `monarch-run --sync-every H` the replicas train semi-synchronously (DiLoCo, or LocalSGD with `--semi-sync
 local_sgd`; `monarch_plugin.worker.semi_sync`): `step.commit()` steps this replica's optimizer alone, and every H
-steps the loop syncs the replicas between two steps. The same loop body serves both; a sync's summed metrics are
-`loop.sync_metrics`, and `loop.syncs` counts the syncs committed.
+steps the loop syncs the replicas between two steps. The same loop body serves both; `loop.last_sync` is the newest
+sync (its metrics summed over the replicas), and `loop.syncs` counts them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from monarch_plugin.worker.session import StopReplica
 from monarch_plugin.worker.transaction import StepTransaction, rng_state, set_rng_state
 from monarch_plugin.worker.window import StepWindow
 
-__all__ = ["ElasticLoop", "Step"]
+__all__ = ["ElasticLoop", "Step", "Sync"]
 
 logger = logging.getLogger("monarch_plugin")
 
@@ -75,12 +75,27 @@ class Step:
 
         Semi-synchronous (`sync_every` above 1), a step is this replica's own: its optimizer steps, the metrics stay
         its own (`step.metrics`), and it always commits. They are summed over the replicas at the round's sync, over
-        the samples the synced model learned (`loop.sync_metrics`).
+        the samples the synced model learned (`loop.last_sync.metrics`).
         """
         if self.committed is not None:
             raise RuntimeError(f"step {self.number} was already committed: call step.commit() once per step")
         self.committed = self._loop._commit(self, metrics)
         return self.committed
+
+
+@dataclass
+class Sync:
+    """A committed sync of a semi-synchronous loop, as the loop's next step (or its end) finds it."""
+
+    number: int
+    """The run's syncs, this one included."""
+    step: int
+    """The committed steps after it."""
+    epoch: int
+    """The epoch its round's samples came from (a round ends at an epoch's end at the latest)."""
+    metrics: dict[str, float | torch.Tensor]
+    """What the round's steps passed to `commit`, summed over the samples the synced model learned: every replica's
+    steps but those of a replica lost before the sync, whose samples another replica trained and counted instead."""
 
 
 class ElasticLoop:
@@ -134,9 +149,8 @@ class ElasticLoop:
             )
         semi = self.ctx is not None and _semi_synchronous(self.config, outer_optimizer)
         self._semi = SemiSync(model, self.config.semi_sync, self.config.sync_every, outer_optimizer) if semi else None
-        self.sync_metrics: dict[str, float | torch.Tensor] = {}
-        """The newest sync's metrics: what the replicas' steps passed to `commit` since the sync before, summed over
-        the samples the synced model learned (semi-synchronous)."""
+        self.last_sync: Sync | None = None
+        """The newest sync this replica took part in (semi-synchronous)."""
         self.tx = (
             StepTransaction(self.ctx, self, list(model.parameters()), buffers_of=[model], overlap=overlap,
                             give_up=self._write_checkpoint, restore=self._restore)
@@ -169,6 +183,11 @@ class ElasticLoop:
     def syncs(self) -> int:
         """The run's syncs committed (semi-synchronous; 0 otherwise)."""
         return self._semi.syncs if self._semi is not None else 0
+
+    @property
+    def sync_every(self) -> int:
+        """Steps between syncs: 1 when the loop reduces gradients at every step (synchronous)."""
+        return self._semi.every if self._semi is not None else 1
 
     @property
     def rank(self) -> int:
@@ -283,7 +302,7 @@ class ElasticLoop:
             value = torch.tensor(reduced[offset : offset + t.numel()], dtype=torch.float64).reshape(t.shape)
             summed[name] = value.item() if t.dim() == 0 else value
             offset += t.numel()
-        self.sync_metrics = summed
+        self.last_sync = Sync(number=semi.syncs, step=self.step + ledger.steps, epoch=self.sampler.epoch, metrics=summed)
         self.sampler.advance(ledger.size, ledger.steps)
         self.step += ledger.steps
         tx.committed(self.step - 1)

@@ -43,21 +43,19 @@ optimizer = (torch.optim.Adam(model.parameters(), lr=1e-2) if args.inner == "ada
 loop = ElasticLoop(model, optimizer, dataset_size=args.samples, global_batch_size=args.batch,
                    max_epochs=args.epochs, max_steps=args.steps, seed=0)
 pause_step, pause = args.pause.split(":", 1) if args.pause else ("-1", "")
-syncs = 0
+syncs = -1
 
 
 def record() -> None:
-    """The syncs committed since the last look (at most one between two steps)."""
+    """The sync committed since the last look (at most one between two steps)."""
     global syncs
-    if loop.syncs == syncs:
+    sync = loop.last_sync
+    if sync is None or sync.number == syncs:
         return
-    syncs = loop.syncs
-    if not loop.sync_metrics:  # healed in after a sync: its first is still to come
-        return
-    learned = loop.sync_metrics["seen"].nonzero().flatten().tolist()
-    line = {"sync": syncs, "step": loop.step, "epoch": loop.sampler.epoch, "world": loop.num_replicas,
-            "checksum": weights_checksum(model), "learned": learned,
-            "counts": sorted(set(loop.sync_metrics["seen"].tolist()))}
+    syncs = sync.number
+    learned = sync.metrics["seen"].nonzero().flatten().tolist()
+    line = {"sync": syncs, "step": sync.step, "epoch": sync.epoch, "world": loop.num_replicas,
+            "checksum": weights_checksum(model), "learned": learned, "counts": sorted(set(sync.metrics["seen"].tolist()))}
     with open(os.path.join(args.out, f"syncs-{rid}.jsonl"), "a") as f:
         f.write(json.dumps(line) + "\n")
     if args.params:

@@ -89,6 +89,7 @@ def test_the_writer_keeps_every_nth_step_from_a_copy_taken_at_the_step_and_prune
     writer = CheckpointWriter(str(tmp_path), every_steps=5, every_s=0, coordinator=True, keep=1, bound_s=60,
                               emit=lambda kind, **fields: emitted.append((kind, fields)))
     assert [s for s in range(1, 12) if writer.due(s)] == [5, 10]
+    assert [s for s in range(4, 25, 4) if writer.due(s, 4)] == [8, 12, 16, 20]  # a sync's round of 4: the first past each
     weights = torch.zeros(3)
     writer.write(5, {"w": weights}, None)
     weights += 1  # the training step goes on while the copy is written
