@@ -157,7 +157,11 @@ class StepTransaction:
 
     def local_step(self, step: int) -> None:
         """A semi-synchronous replica's own step `step` starts, after the round's first (`begin`): nothing is reduced
-        until the round's sync, but the controller sees it computing and the fault injected there fires."""
+        until the round's sync, but the controller sees it computing and the fault injected there fires. Its state
+        holds the last sync's at every such boundary (`held`), so a lost controller is answered here, not at the end
+        of a round that may outlast `controller_loss_save_s`."""
+        if self.session.flags.lost:
+            orphan.save(self)
         self._step = step
         self.session.flags.set_phase(Phase.COMPUTE, step)
         self.ctx.fault_point("step", step)

@@ -135,9 +135,9 @@ def test_sigterm_drains_a_replica_at_the_next_sync_with_its_local_steps_learned(
 def test_a_stop_mid_round_checkpoints_the_synced_state_and_periodic_ones_hold_the_outer_optimizer_both_resume_exactly(
         elastic_run, stop):
     """Plain SGD inside the replicas (no state of a replica's own), DiLoCo's Nesterov momentum outside: the controller
-    told to stop (SIGTERM), or SIGKILLed, while the replicas are two steps into a round. The replicas learn of it at
-    the round's sync, and the generation's first replica writes the last synced state (a stop's checkpoint, or the
-    one a lost controller leaves). A relaunch from it, and one from a periodic checkpoint, end with the parameters of
+    told to stop (SIGTERM), or SIGKILLed, while the replicas are two steps into a round. The replicas learn of the stop
+    at the round's sync, of the loss at their next step, and the generation's first replica writes the last synced
+    state (a stop's checkpoint, or the one a lost controller leaves). A relaunch from it, and one from a periodic checkpoint, end with the parameters of
     the run never stopped."""
     exact = (*LOOP, "--inner", "sgd")
     clean = elastic_run()
