@@ -19,6 +19,7 @@ sync (its metrics summed over the replicas), and `loop.syncs` counts them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import pickle
 import re
@@ -226,7 +227,7 @@ class ElasticLoop:
     def _steps(self) -> Iterator[Step]:
         tx = self.tx
         while True:
-            if tx and tx.sync(self.step):
+            if tx and tx.sync(self.step, agreed_only=self._semi is not None):
                 self._apply_lr_policy()
             if self.done():
                 if tx:
@@ -262,7 +263,7 @@ class ElasticLoop:
         if semi.round is None:
             steps = semi.every if self.max_steps is None else min(semi.every, self.max_steps - self.step)
             batches = self.sampler.window(self._step_batch_size(), steps)  # never past the epoch's end
-            semi.start(batches, tx.session.members)
+            semi.start(batches, tx.session.members, self._schedule())
             tx.begin(start)
             for i, indices in enumerate(semi.round.trained[rid]):
                 if i:
@@ -272,8 +273,11 @@ class ElasticLoop:
             tx.sync(start)
             if self.step != start or semi.round is None:
                 return  # healed past the sync (a peer committed it while this replica dropped it), or restored
-            for indices in semi.round.regroup(tx.session.members)[rid]:
-                yield from self._yield(local(start + semi.round.steps - 1, indices, extra=True))
+            last = start + semi.round.steps - 1
+            extra = semi.round.regroup(tx.session.members)[rid]
+            while semi.owed or extra:
+                tx.local_step(last)
+                yield from self._yield(local(last, (semi.owed or extra).pop(0), extra=True))
             if self._sync(start):
                 return
 
@@ -374,7 +378,7 @@ class ElasticLoop:
     def state_dict(self) -> dict:
         model = self.model.state_dict()
         if self._semi is not None:  # the run's state is the synced one, whatever this replica trained since
-            model.update(self._semi.synced)
+            model.update(self._semi.synced_state())
         state = {
             "model": model,
             "optimizer": self.optimizer.state_dict(),
@@ -393,7 +397,7 @@ class ElasticLoop:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         if self._semi is not None:
-            self._semi.load_state_dict(state["semi"])
+            self._semi.load_state_dict(state["semi"], self.ctx.replica_id)
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
@@ -437,7 +441,16 @@ class ElasticLoop:
         state = {"model": model, "optimizer": optimizer, "loop": loop,
                  f"lane{self._lane if lane is None else lane}": rng}
         if semi:
-            state["outer"] = get_state_dict(self.model, self._semi.outer)[1]
+            # DCP fills an optimizer's empty state (before the first sync) only when no gradient is set: set aside
+            # what a mid-round write finds there, so that the checkpoint has what a fresh process's skeleton asks for.
+            grads = {name: p.grad for name, p in self._semi.params.items()}
+            for p in self._semi.params.values():
+                p.grad = None
+            try:
+                state["outer"] = get_state_dict(self.model, self._semi.outer)[1]
+            finally:
+                for name, p in self._semi.params.items():
+                    p.grad = grads[name]
         return state
 
     def _checkpoint_group(self):
@@ -466,9 +479,41 @@ class ElasticLoop:
         from monarch_plugin.worker import dcp_io
 
         path = step_path(self.config.checkpoint_dir, committed)  # the steps the state holds (`StepTransaction.held`)
-        with self._semi.synced_parameters() if self._semi is not None else contextlib.nullcontext():
+        with self._at_last_sync():
             dcp_io.save(self.checkpoint_state(), path, self._checkpoint_group(), self.config.share_files)
         return path if self._lane == 0 else None
+
+    def _schedule(self) -> dict:
+        """What the schedule is at a round's start, by value: the scheduler's state, `extra_state`'s and the optimizer's
+        hyperparameters (the learning rates the scheduler sets)."""
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        return copy.deepcopy({"scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                              "extra": self.extra_state.state_dict() if self.extra_state is not None else None,
+                              "groups": groups})
+
+    @contextlib.contextmanager
+    def _at_last_sync(self):
+        """Semi-synchronous, mid-round: for the duration, the parameters, the schedule and the learning rates are those
+        of the last sync (what a checkpoint holds with its committed steps); this replica's own after."""
+        semi = self._semi
+        if semi is None or semi.round is None:
+            yield
+            return
+        own = self._schedule()
+        self._load_schedule(semi.schedule)
+        try:
+            with semi.synced_parameters():
+                yield
+        finally:
+            self._load_schedule(own)
+
+    def _load_schedule(self, schedule: dict) -> None:
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(schedule["scheduler"]))
+        if self.extra_state is not None:
+            self.extra_state.load_state_dict(copy.deepcopy(schedule["extra"]))
+        for group, hyper in zip(self.optimizer.param_groups, schedule["groups"]):
+            group.update(copy.deepcopy(hyper))
 
     def _restore(self, path: str) -> int:
         """A RESTORE generation (no replica left holding the run's state): load the run's checkpoint mid-run."""

@@ -12,8 +12,12 @@ A round's samples are learned exactly once (`Round`). A replica that dies, hangs
 commits takes its local steps with it: its samples since the last sync were never learned by the synced model, so
 the replicas of the generation that syncs train them first, cut over them as a step's global batch is (the runtime's
 `share`), and the weights of the sync are each replica's fraction of the samples it trained. Every replica computes
-the same cut from the same ledger; a newcomer healed in the middle of a sync receives the ledger with the synced
-parameters, and takes its part of the lost samples too.
+the same cut from the same ledger, which holds because every member of a sync starts the next round in the same
+generation (a round's start enters a new generation only on what the sync agreed, `ReplicaSession.needs_join`) and
+joins the next one only at the round's sync. A replica healed in the middle of a sync receives the ledger with the
+synced parameters and takes its part of the lost samples too; one the ledger says trained samples (a member that
+dropped the sync its peers committed, healed to theirs) trained nothing of this round in the state it now holds, and
+trains them again (`owed`).
 
 Counters: the run's committed steps (`ElasticLoop.step`) and the data cursor move at a sync, by the round's steps, so
 the state a newcomer heals from and a checkpoint holds is always a synced one. The learning-rate scheduler steps at
@@ -100,18 +104,27 @@ class SemiSync:
     def __init__(self, model: torch.nn.Module, method: str, every: int, outer: torch.optim.Optimizer | None):
         self.method, self.every = method, every
         self.params = dict(model.named_parameters())
+        first = {id(p): name for name, p in self.params.items()}
+        self.aliases = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+        """Every name a parameter has in the model's state dict (tied weights have several), to its one synced copy."""
         self.outer = outer or default_outer_optimizer(model.parameters(), method)
         self.synced = {name: local_part(p).detach().clone() for name, p in self.params.items()}
         self.round: Round | None = None
+        self.schedule: dict = {}
+        """The front end's schedule as the round started (its scheduler, its learning rates): what a checkpoint written
+        mid-round holds beside the synced parameters."""
+        self.owed: list[list[int]] = []
+        """Batches the ledger says this replica trained this round that its state has not learned: to train before
+        the sync."""
         self.syncs = 0
         """The run's syncs committed."""
         self.metrics: dict[str, torch.Tensor] = {}
         self.shapes: dict[str, list[int]] = {}
         """The metrics' names and shapes: what a replica that trained nothing this round still sums (zeros)."""
 
-    def start(self, batches: list[list[int]], members: list[int]) -> None:
-        self.round = Round(batches, members)
-        self.metrics = {}
+    def start(self, batches: list[list[int]], members: list[int], schedule: dict) -> None:
+        self.round, self.schedule = Round(batches, members), schedule
+        self.metrics, self.owed = {}, []
 
     def add_metrics(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
@@ -121,6 +134,10 @@ class SemiSync:
     def metric_values(self) -> tuple[list[str], list[torch.Tensor]]:
         names = sorted(self.shapes)
         return names, [self.metrics.get(n, torch.zeros(self.shapes[n], dtype=torch.float64)) for n in names]
+
+    def synced_state(self) -> dict[str, torch.Tensor]:
+        """The synced parameters under every name the model's state dict gives them."""
+        return {name: self.synced[first] for name, first in self.aliases.items()}
 
     def pseudo_gradients(self) -> None:
         """Each parameter's gradient is its pseudo-gradient: the synced value minus the local one."""
@@ -161,14 +178,16 @@ class SemiSync:
 
     def state_dict(self) -> dict:
         """What a newcomer heals from besides the model (whose parameters it takes as synced): the outer optimizer's
-        state, the round in progress, the metrics' shapes and the syncs count."""
+        state, the round in progress and the schedule it started with, the metrics' shapes and the syncs count."""
         return {"outer": self.outer.state_dict(), "round": None if self.round is None else self.round.state_dict(),
-                "shapes": [[n, s] for n, s in self.shapes.items()], "syncs": self.syncs}
+                "schedule": self.schedule, "shapes": [[n, s] for n, s in self.shapes.items()], "syncs": self.syncs}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, rid: int) -> None:
+        """A heal's (replica `rid` receives it); the model's parameters were loaded with the synced values."""
         self.outer.load_state_dict(state["outer"])
         self.round = None if state["round"] is None else Round.from_state(state["round"])
-        self.shapes = {n: list(s) for n, s in state["shapes"]}
+        self.owed = list(self.round.trained.get(rid, [])) if self.round is not None else []
+        self.schedule, self.shapes = state["schedule"], {n: list(s) for n, s in state["shapes"]}
         self.metrics, self.syncs = {}, state["syncs"]
         self.resync()
 

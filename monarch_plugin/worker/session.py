@@ -93,9 +93,14 @@ class ReplicaSession:
 
     # -- generations ---------------------------------------------------------------------------------
 
-    def needs_join(self) -> bool:
+    def needs_join(self, agreed_only: bool = False) -> bool:
+        """Whether this proc enters a new generation at this boundary. `agreed_only`: only on what every member agreed
+        in the last committed reduction (a grow, a drain) or a failed one, not on an abort heard alone: the start of a
+        semi-synchronous round, which every member of the sync before must start in the same generation."""
         if self.gen < 0 or self._broken or self._regroup_agreed:
             return True
+        if agreed_only:
+            return False
         # A proc of a multi-proc replica leaves its generation only after a vote with its siblings: seen between
         # steps, an abort it reacted to alone would have it step in the next generation while a sibling, already
         # inside the step, finished it in this one. The step it starts instead fails at once and is dropped by all.

@@ -117,15 +117,16 @@ class StepTransaction:
     def device(self) -> torch.device:
         return self.session.device
 
-    def sync(self, committed: int) -> bool:
+    def sync(self, committed: int, agreed_only: bool = False) -> bool:
         """At a step boundary: enter the newest generation if one is waiting (a death, or a grow agreed inside
         the last step), healing from a peer if behind. True if this proc joined one, so the front end can
-        re-read its rank and shares. A generation the controller gave up in writes the checkpoint and stops."""
+        re-read its rank and shares. A generation the controller gave up in writes the checkpoint and stops.
+        `agreed_only`: the start of a semi-synchronous round (`ReplicaSession.needs_join`)."""
         session = self.session
         self._hold(committed)  # until a heal or a restore loads another state (`ReplicaSession.loading`)
         if session.flags.lost:  # the controller is gone: save the run and end (`orphan`)
             orphan.save(self)
-        if not session.needs_join():
+        if not session.needs_join(agreed_only):
             return False
         try:
             with _runtime_part("join"):

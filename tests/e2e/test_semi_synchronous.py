@@ -67,18 +67,24 @@ def _held(run, step: int, replicas: int) -> None:
                  what=f"every replica at step {step}")
 
 
-def test_sigkill_between_syncs_costs_only_the_dead_replicas_steps_which_the_survivors_train_before_syncing(elastic_run):
-    run = elastic_run()
+def _signal_mid_round(run, sig: int, heard: str) -> None:
+    """Three replicas held at step 6, mid-round (steps 4 and 5 trained locally since the sync at step 4): `sig` to
+    replica 1's proc, from outside; released once the controller recorded `heard`; the run ends well."""
     hold = run.tmp / "hold"
     hold.touch()
     run.start("--replicas", "3", "--min-replicas", "2", "--sync-every", str(H), script=SCRIPT,
               script_args=(*LOOP, "--pause", f"6:{hold}", "--out", str(run.out)))
-    _held(run, 6, 3)  # mid-round: steps 4 and 5 trained locally since the sync at step 4
-    [victim] = run.pids()[1]
-    os.kill(victim, signal.SIGKILL)
-    run.wait_for(lambda: run.events("death"), timeout=60, what="the death")
+    _held(run, 6, 3)
+    [pid] = run.pids()[1]
+    os.kill(pid, sig)
+    run.wait_for(lambda: run.events(heard), timeout=60, what=heard)
     hold.unlink()
     assert run.wait(timeout=180) == 0, run.output
+
+
+def test_sigkill_between_syncs_costs_only_the_dead_replicas_steps_which_the_survivors_train_before_syncing(elastic_run):
+    run = elastic_run()
+    _signal_mid_round(run, signal.SIGKILL, "death")
 
     syncs = _check_syncs(run, survivor=0)
     # The sync after the death: the two survivors, with the dead replica's samples of steps 4-7 learned all the same.
@@ -111,16 +117,7 @@ def test_a_replica_killed_inside_a_sync_has_the_sync_redone_by_the_survivors(ela
 
 def test_sigterm_drains_a_replica_at_the_next_sync_with_its_local_steps_learned(elastic_run):
     run = elastic_run()
-    hold = run.tmp / "hold"
-    hold.touch()
-    run.start("--replicas", "3", "--min-replicas", "2", "--sync-every", str(H), script=SCRIPT,
-              script_args=(*LOOP, "--pause", f"6:{hold}", "--out", str(run.out)))
-    _held(run, 6, 3)
-    [pid] = run.pids()[1]
-    os.kill(pid, signal.SIGTERM)
-    run.wait_for(lambda: run.events("notice"), timeout=60, what="the notice")
-    hold.unlink()
-    assert run.wait(timeout=180) == 0, run.output
+    _signal_mid_round(run, signal.SIGTERM, "notice")
 
     syncs = _check_syncs(run, survivor=0)
     assert syncs[8]["world"] == 3  # it trained to the sync, and the sync counted its steps
@@ -134,12 +131,13 @@ def test_sigterm_drains_a_replica_at_the_next_sync_with_its_local_steps_learned(
 @pytest.mark.parametrize("stop", ["sigterm", "controller_lost"])
 def test_a_stop_mid_round_checkpoints_the_synced_state_and_periodic_ones_hold_the_outer_optimizer_both_resume_exactly(
         elastic_run, stop):
-    """Plain SGD inside the replicas (no state of a replica's own), DiLoCo's Nesterov momentum outside: the controller
+    """Plain SGD inside the replicas (no state of a replica's own) on a decaying learning rate, DiLoCo's Nesterov
+    momentum outside: the controller
     told to stop (SIGTERM), or SIGKILLed, while the replicas are two steps into a round. The replicas learn of the stop
     at the round's sync, of the loss at their next step, and the generation's first replica writes the last synced
     state (a stop's checkpoint, or the one a lost controller leaves). A relaunch from it, and one from a periodic checkpoint, end with the parameters of
     the run never stopped."""
-    exact = (*LOOP, "--inner", "sgd")
+    exact = (*LOOP, "--inner", "sgd", "--scheduler")
     clean = elastic_run()
     clean.start("--replicas", "2", "--sync-every", str(H), "--checkpoint-steps", "8", script=SCRIPT,
                 script_args=(*exact, "--out", str(clean.out)))

@@ -7,7 +7,7 @@ replicas, a checksum of its parameters and the samples the sync's metrics say th
 `--params`, the parameters themselves go to DIR/params-<id>-<sync>.pt. DIR/result-<id>.json holds its final step,
 sync count and checksum, as `logged_loop.py`'s does. `--pause STEP:FILE` holds every replica at the start of step
 STEP while FILE exists (a test's moment to act between two syncs); `--inner sgd` trains with plain SGD, whose
-replicas hold no optimizer state of their own.
+replicas hold no optimizer state of their own; `--scheduler` decays its learning rate every 3 steps.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--params", action="store_true", help="save the parameters after each sync")
 p.add_argument("--pause", default=None, metavar="STEP:FILE")
 p.add_argument("--inner", choices=("adam", "sgd"), default="adam")
+p.add_argument("--scheduler", action="store_true")
 p.add_argument("--out", required=True)
 args = p.parse_args()
 ctx = worker_context()
@@ -40,7 +41,8 @@ rid = ctx.replica_id
 x, y, model = toy_problem(args.samples)
 optimizer = (torch.optim.Adam(model.parameters(), lr=1e-2) if args.inner == "adam" else
              torch.optim.SGD(model.parameters(), lr=5e-2))
-loop = ElasticLoop(model, optimizer, dataset_size=args.samples, global_batch_size=args.batch,
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.8) if args.scheduler else None
+loop = ElasticLoop(model, optimizer, scheduler=scheduler, dataset_size=args.samples, global_batch_size=args.batch,
                    max_epochs=args.epochs, max_steps=args.steps, seed=0)
 pause_step, pause = args.pause.split(":", 1) if args.pause else ("-1", "")
 syncs = -1

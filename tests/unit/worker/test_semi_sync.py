@@ -72,8 +72,34 @@ def test_local_sgd_is_the_mean_of_the_parameters_and_a_replica_that_trained_noth
     model = nn.Linear(2, 1)
     semi = SemiSync(model, "local_sgd", 4, None)
     assert semi.outer.defaults["lr"] == 1.0 and semi.outer.defaults["momentum"] == 0
+    semi.start([[0, 1]], members=[0], schedule={})
     semi.add_metrics({"loss": torch.tensor(2.0, dtype=torch.float64), "seen": torch.ones(3, dtype=torch.float64)})
     other = SemiSync(nn.Linear(2, 1), "local_sgd", 4, None)
-    other.load_state_dict(semi.state_dict())
+    other.load_state_dict(semi.state_dict(), rid=3)
     names, values = other.metric_values()
     assert names == ["loss", "seen"] and [v.tolist() for v in values] == [0.0, [0.0, 0.0, 0.0]]
+
+
+def test_a_replica_healed_into_a_sync_trains_again_what_the_ledger_says_it_trained_and_a_newcomer_owes_nothing():
+    """A member that dropped the sync its peers committed is healed to their state, in which the round they started
+    counts it among its members: the ledger credits it with shares its healed state never learned."""
+    donor = SemiSync(nn.Linear(2, 1), "diloco", 3, None)
+    donor.start([list(range(0, 6)), list(range(6, 12)), list(range(12, 18))], members=[0, 1, 2], schedule={})
+    behind = SemiSync(nn.Linear(2, 1), "diloco", 3, None)
+    behind.load_state_dict(donor.state_dict(), rid=1)
+    assert behind.owed == [[2, 3], [8, 9], [14, 15]]
+    fresh = SemiSync(nn.Linear(2, 1), "diloco", 3, None)
+    fresh.load_state_dict(donor.state_dict(), rid=7)
+    assert fresh.owed == [] and fresh.round.trained == donor.round.trained
+
+
+def test_tied_weights_are_served_synced_under_every_name_they_have():
+    model = nn.Sequential(nn.Embedding(4, 3), nn.Linear(3, 4, bias=False))
+    model[1].weight = model[0].weight  # tied, as a language model's input and output embeddings
+    semi = SemiSync(model, "diloco", 4, None)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # local steps
+    served = {**model.state_dict(), **semi.synced_state()}
+    assert set(semi.synced_state()) == {"0.weight", "1.weight"}
+    assert torch.equal(served["1.weight"], semi.synced["0.weight"]) and not torch.equal(served["1.weight"],
+                                                                                         model[0].weight)
