@@ -14,6 +14,14 @@ mode: a replica killed during it has sent none of its gradients, as one killed d
 (most of a step) would not have; sleeping after the backward instead would let every kill land after the victim's
 reduction, and no system would ever drop a step. torchft's discarded attempts (should_commit False) are logged to
 <out>/discarded-<id>.txt.
+
+Elastic mode under `monarch-run --sync-every H` (semi-synchronous) commits every step locally: its step-log lines
+are then a replica's local (inner) steps, and what the run learned moves at the syncs. --log-loss writes each
+committed step's local loss, "<step> <loss> <samples> <extra>", to <out>/loss-<id>.txt (extra 1: a lost replica's
+samples, trained before a sync) and each sync, "<committed steps> <unix time>", to <out>/syncs-<id>.txt.
+MLP_TIME_COLLECTIVES=1 in the environment (elastic mode; benchmarks/semi_sync.py) times the blocking part of the
+cross-replica reductions and writes it, with the bytes this process wrote (/proc/self/io), to
+<out>/collectives-<id>.json.
 """
 
 from __future__ import annotations
@@ -69,6 +77,58 @@ def tensor_bytes(tree: object) -> int:
 # kill lands outside an allreduce.
 TRANSPORT_TIMEOUT = timedelta(seconds=10)
 MANAGER_TIMEOUT = timedelta(seconds=30)
+
+
+class CollectiveTimer:
+    """MLP_TIME_COLLECTIVES=1: the seconds this process spent blocked in the step transaction's reductions, timed by
+    wrapping (in this process only) `GradientReducer._complete` (launch the buckets not yet launched, wait for every
+    bucket's allreduce, write the sums back: inside backward's final callback when the reduction overlaps backward,
+    at a sync's commit otherwise) and `StepTransaction.reduce` (the commit, which holds the former when it was not
+    done in backward); `blocked_s` counts time inside either once. With `wchar` of /proc/self/io: the bytes this
+    process wrote through write(2)-family calls (gloo's transport writes with writev), from the first step on."""
+
+    def __init__(self) -> None:
+        from monarch_plugin.worker.reducer import GradientReducer
+        from monarch_plugin.worker.transaction import StepTransaction
+
+        self.depth, self.entered = 0, 0.0
+        self.totals = {"blocked_s": 0.0, "complete_s": 0.0, "complete_calls": 0, "reduce_calls": 0}
+        self.wchar0: int | None = None
+        self._wrap(GradientReducer, "_complete", "complete")
+        self._wrap(StepTransaction, "reduce", "reduce")
+
+    def _wrap(self, cls: type, name: str, key: str) -> None:
+        inner, timer = getattr(cls, name), self
+
+        def timed(*a: object, **kw: object) -> object:
+            t = time.monotonic()
+            timer.depth += 1
+            try:
+                return inner(*a, **kw)
+            finally:
+                timer.depth -= 1
+                spent = time.monotonic() - t
+                timer.totals[f"{key}_calls"] += 1
+                if key == "complete":
+                    timer.totals["complete_s"] += spent
+                if timer.depth == 0:
+                    timer.totals["blocked_s"] += spent
+
+        setattr(cls, name, timed)
+
+    @staticmethod
+    def wchar() -> int:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+    def start(self) -> None:
+        if self.wchar0 is None:
+            self.wchar0 = self.wchar()
+            self.totals = {k: 0 * v for k, v in self.totals.items()}  # from the first step on, as wchar
+
+    def write(self, path: str, **fields: object) -> None:
+        with open(path, "w") as f:
+            json.dump({**self.totals, "wchar": self.wchar() - (self.wchar0 or 0), **fields}, f)
 
 
 def run_torchft(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, width: int) -> None:
@@ -186,6 +246,8 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=0, help="ddp only: checkpoint-restart baseline")
     p.add_argument("--device-ms-per-sample", type=float, default=0.0, help="idle sleep per local sample per step")
     p.add_argument("--torchft-gloo-timeout", type=float, default=5.0, help="s, bounds a stuck allreduce")
+    p.add_argument("--log-loss", action="store_true",
+                   help="elastic only: each step's local loss to loss-<id>.txt and each sync to syncs-<id>.txt")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -199,15 +261,38 @@ def main() -> None:
         from monarch_plugin import ElasticLoop, worker_context
 
         ident = worker_context().replica_id
+        timer = CollectiveTimer() if os.environ.get("MLP_TIME_COLLECTIVES") == "1" else None
         loop = ElasticLoop(model, optimizer, dataset_size=dataset_size, global_batch_size=args.global_batch,
                            max_steps=args.steps, shuffle=False)
+        losses = open(os.path.join(args.out, f"loss-{ident}.txt"), "a") if args.log_loss else None
+        syncs_log = open(os.path.join(args.out, f"syncs-{ident}.txt"), "a") if args.log_loss else None
+        syncs = 0
+
+        def synced() -> None:  # a sync commits between two steps: seen at the top of the next, or after the loop
+            nonlocal syncs
+            if syncs_log is not None and loop.syncs != syncs:
+                syncs = loop.syncs
+                syncs_log.write(f"{loop.step} {time.time()}\n")
+                syncs_log.flush()
+
         with open(os.path.join(args.out, f"steps-{ident}.txt"), "a") as log:
             for step in loop:
+                synced()
+                if timer is not None:
+                    timer.start()
                 x, y = batch(step.indices, width)
-                backward(nn.functional.mse_loss(model(x), y), args.device_ms_per_sample, len(step.indices))
+                loss = nn.functional.mse_loss(model(x), y)
+                backward(loss, args.device_ms_per_sample, len(step.indices))
                 if step.commit():
                     log.write(f"{step.number} {time.time()}\n")
                     log.flush()
+                    if losses is not None:
+                        losses.write(f"{step.number} {loss.item():.6g} {len(step.indices)} {int(step.extra)}\n")
+                        losses.flush()
+        synced()
+        if timer is not None:
+            timer.write(os.path.join(args.out, f"collectives-{ident}.json"), steps=loop.step, syncs=loop.syncs,
+                        params=sum(p.numel() for p in model.parameters()))
         return
     if args.mode == "torchft":
         run_torchft(args, model, optimizer, width)
