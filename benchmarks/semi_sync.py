@@ -201,8 +201,16 @@ def measure(out: Path, variant: str, steps: int, kills: list[dict]) -> dict:
     dropped = sorted({(e["gen"], e["step"]) for e in run_events if e["event"] == "dropped_step"})
     losses = [_loss_log(p) for p in sorted(out.glob("loss-*.txt"))]
     taken_over = sum(n for log in losses for _, _, n, extra in log if extra)
-    lost = [lost_samples(logs.get(str(k["replica"]), []), _loss_log(out / f"loss-{k['replica']}.txt")
-                         if (out / f"loss-{k['replica']}.txt").exists() else [], done, k["ts"]) for k in kills]
+    extra_steps = {step for log in losses for step, _, _, extra in log if extra}
+    lost = []
+    for k in kills:
+        following = min((s for s, t in done.items() if t > k["ts"]), default=None)
+        if following is not None and following - 1 not in extra_steps:
+            lost.append(0)  # nobody took its samples over: its part of the next sync had gone out, they were learned
+            continue
+        path = out / f"loss-{k['replica']}.txt"
+        lost.append(lost_samples(logs.get(str(k["replica"]), []), _loss_log(path) if path.exists() else [], done,
+                                 k["ts"]))
     result = {
         "variant": variant, "steps": steps, "kills": len(kills), "kill_times": [k["ts"] - start for k in kills],
         "seconds": done[steps] - start if steps in done else None, "steps_per_s": rate(done, start, steps),
