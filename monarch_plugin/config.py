@@ -70,13 +70,13 @@ class ElasticConfig:
     scaling rule) while the group is smaller than ``max_replicas``."""
 
     sync_every: int = 1
-    """Semi-synchronous training (``semi_sync``): each replica takes this many optimizer steps on its own shares of
-    the global batches, then the replicas sync, as torchft's DiLoCo and LocalSGD ``sync_every`` (torchtitan's
+    """Each replica takes this many optimizer steps on its own shares of the global batches, then the replicas sync
+    (``semi_sync``): semi-synchronous training, as torchft's DiLoCo and LocalSGD ``sync_every`` (torchtitan's
     ``sync_steps``). A death between syncs costs only the dead replica's steps since the last sync: the survivors
     train its samples before they sync. 1: synchronous, the gradients reduced at every step."""
 
     semi_sync: str = "diloco"
-    """With ``sync_every`` above 1, what a sync does: "diloco" steps an outer optimizer (Nesterov SGD, lr 0.7, momentum
+    """What a sync does, with ``sync_every`` above 1: "diloco" steps an outer optimizer (Nesterov SGD, lr 0.7, momentum
     0.9, unless ``ElasticLoop(outer_optimizer=...)``) with the replicas' mean pseudo-gradient, the synced parameters
     minus the local ones (DiLoCo); "local_sgd" averages the parameters (LocalSGD)."""
 

@@ -136,7 +136,7 @@ def test_the_state_is_held_for_a_give_up_checkpoint_from_a_step_boundary_until_t
     """A proc whose training code raised writes the give-up checkpoint only from a committed step's state: not from
     one its optimizer was stepping when it raised."""
     tx = object.__new__(StepTransaction)
-    tx.session = types.SimpleNamespace(needs_join=lambda: False, reduce=lambda reducer, weight, metrics: metrics,
+    tx.session = types.SimpleNamespace(needs_join=lambda agreed_only=False: False, reduce=lambda reducer, weight, metrics: metrics,
                                        rank=1, world=2, device=torch.device("cpu"),
                                        flags=types.SimpleNamespace(lost=None))
     tx.ctx = types.SimpleNamespace(replica_id=0, events=types.SimpleNamespace(emit=lambda *a, **k: None),
