@@ -90,8 +90,9 @@ def test_sigkill_between_syncs_costs_only_the_dead_replicas_steps_which_the_surv
     # The sync after the death: the two survivors, with the dead replica's samples of steps 4-7 learned all the same.
     assert syncs[8]["world"] == 2 and len(syncs[8]["learned"]) == H * BATCH
     assert syncs[4]["world"] == syncs[STEPS]["world"] == 3
-    # The survivors dropped nothing: the death was known before their sync began.
-    assert not run.events("dropped_step")
+    # The survivors dropped no step of their own: at most the sync, when they reached it before the controller's word
+    # of the death reached them (a loaded machine), and redid it without the dead replica.
+    assert {d["step"] for d in run.events("dropped_step")} <= {7}
     assert [q["members"] for q in run.events("quorum")] == [[0, 1, 2], [0, 2], [0, 2, 3]]
     results = run.results()
     assert set(results) == {0, 2, 3} and {r["syncs"] for r in results.values()} == {SYNCS}
@@ -107,8 +108,9 @@ def test_a_replica_killed_inside_a_sync_has_the_sync_redone_by_the_survivors(ela
 
     syncs = _check_syncs(run, survivor=2)
     assert syncs[12]["world"] == 2 and len(syncs[12]["learned"]) == H * BATCH
-    dropped = run.events("dropped_step")
-    assert {(d["replica"], d["step"]) for d in dropped} <= {(0, 11), (2, 11)} and dropped  # the sync of steps 8-11
+    # Only the sync of steps 8-11 was dropped, by the survivors already in it when the victim died (none, when both
+    # reached the sync after the controller's word of the death).
+    assert {(d["replica"], d["step"]) for d in run.events("dropped_step")} <= {(0, 11), (2, 11)}
     [death] = run.events("death")
     assert death["replica"] == 1
     assert {r["syncs"] for r in run.results().values()} == {SYNCS}
