@@ -67,14 +67,17 @@ def _held(run, step: int, replicas: int) -> None:
                  what=f"every replica at step {step}")
 
 
-def _signal_mid_round(run, sig: int, heard: str) -> None:
+def _signal_mid_round(run, sig: int, heard: str, spare: bool = False) -> None:
     """Three replicas held at step 6, mid-round (steps 4 and 5 trained locally since the sync at step 4): `sig` to
-    replica 1's proc, from outside; released once the controller recorded `heard`; the run ends well."""
+    replica 1's proc, from outside; released once the controller recorded `heard`; the run ends well. `spare`: with a
+    hot spare (replica 3), ready before the signal."""
     hold = run.tmp / "hold"
     hold.touch()
-    run.start("--replicas", "3", "--min-replicas", "2", "--sync-every", str(H), script=SCRIPT,
-              script_args=(*LOOP, "--pause", f"6:{hold}", "--out", str(run.out)))
+    run.start("--replicas", "3", "--min-replicas", "2", "--sync-every", str(H), *(("--spares", "1") if spare else ()),
+              script=SCRIPT, script_args=(*LOOP, "--pause", f"6:{hold}", "--out", str(run.out)))
     _held(run, 6, 3)
+    if spare:
+        run.wait_for(lambda: [e for e in run.events("ready") if e["replica"] == 3], timeout=120, what="the spare")
     [pid] = run.pids()[1]
     os.kill(pid, sig)
     run.wait_for(lambda: run.events(heard), timeout=60, what=heard)
@@ -83,17 +86,20 @@ def _signal_mid_round(run, sig: int, heard: str) -> None:
 
 
 def test_sigkill_between_syncs_costs_only_the_dead_replicas_steps_which_the_survivors_train_before_syncing(elastic_run):
+    """With a hot spare: it is healed into the sync after the death, mid-round, and takes its part of the dead
+    replica's samples with the survivors."""
     run = elastic_run()
-    _signal_mid_round(run, signal.SIGKILL, "death")
+    _signal_mid_round(run, signal.SIGKILL, "death", spare=True)
 
     syncs = _check_syncs(run, survivor=0)
-    # The sync after the death: the two survivors, with the dead replica's samples of steps 4-7 learned all the same.
-    assert syncs[8]["world"] == 2 and len(syncs[8]["learned"]) == H * BATCH
-    assert syncs[4]["world"] == syncs[STEPS]["world"] == 3
+    # The sync after the death: the survivors and the spare, the dead replica's samples of steps 4-7 learned the same.
+    assert syncs[8]["world"] == 3 and len(syncs[8]["learned"]) == H * BATCH
+    assert [line["step"] for line in _syncs(run)[3]] == list(range(8, STEPS + 1, H))  # the spare: from that sync on
     # The survivors dropped no step of their own: at most the sync, when they reached it before the controller's word
     # of the death reached them (a loaded machine), and redid it without the dead replica.
     assert {d["step"] for d in run.events("dropped_step")} <= {7}
-    assert [q["members"] for q in run.events("quorum")] == [[0, 1, 2], [0, 2], [0, 2, 3]]
+    assert [q["members"] for q in run.events("quorum")] == [[0, 1, 2], [0, 2, 3]]
+    assert [h["recipients"] for h in run.events("heal") if h["gen"] == 1] in ([[3]], [[3], [3]])  # one per donor
     results = run.results()
     assert set(results) == {0, 2, 3} and {r["syncs"] for r in results.values()} == {SYNCS}
     assert len({r["checksum"] for r in results.values()}) == 1 and results[3]["initial"] is False
