@@ -292,21 +292,17 @@ class ElasticLoop:
         semi, tx = self._semi, self.tx
         rid = self.ctx.replica_id
         ledger = semi.round
-        names, values = semi.metric_values()
-        flat = [x for t in values for x in t.reshape(-1).tolist()]
+        metrics = semi.round_metrics()
         semi.pseudo_gradients()
         self.ctx.fault_point("sync", start)
         tx.arm(ledger.weight(rid))
-        reduced = tx.reduce(start + ledger.steps - 1, flat, lambda: self.optimizer.zero_grad(set_to_none=True))
+        zero_grad = lambda: self.optimizer.zero_grad(set_to_none=True)  # noqa: E731
+        reduced = tx.reduce(start + ledger.steps - 1, _flat(metrics), zero_grad)
         if reduced is None:
             return False
         semi.outer_step()
-        offset, summed = 0, {}
-        for name, t in zip(names, values):
-            value = torch.tensor(reduced[offset : offset + t.numel()], dtype=torch.float64).reshape(t.shape)
-            summed[name] = value.item() if t.dim() == 0 else value
-            offset += t.numel()
-        self.last_sync = Sync(number=semi.syncs, step=self.step + ledger.steps, epoch=self.sampler.epoch, metrics=summed)
+        self.last_sync = Sync(number=semi.syncs, step=self.step + ledger.steps, epoch=self.sampler.epoch,
+                              metrics=_shaped(metrics, reduced))
         self.sampler.advance(ledger.size, ledger.steps)
         self.step += ledger.steps
         tx.committed(self.step - 1)
@@ -318,13 +314,13 @@ class ElasticLoop:
         tensors = {k: torch.as_tensor(v).detach().to(torch.float64).cpu() for k, v in metrics.items()}
         if self._semi is not None:  # this replica's own step: the round's sync sums its metrics
             self._semi.add_metrics(tensors)
-            step.metrics = {k: t.item() if t.dim() == 0 else t for k, t in tensors.items()}
+            step.metrics = _shaped(tensors, _flat(tensors))
             self.optimizer.step()
             if self.scheduler is not None and not step.extra:
                 self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             return True
-        values = [x for t in tensors.values() for x in t.reshape(-1).tolist()]
+        values = _flat(tensors)
         batch = self._step_batch_size()
         weight = step.weight
         if self.tx:
@@ -335,11 +331,7 @@ class ElasticLoop:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(weight)
-        offset = 0
-        for name, t in tensors.items():
-            reduced = torch.tensor(values[offset : offset + t.numel()], dtype=torch.float64).reshape(t.shape)
-            step.metrics[name] = reduced.item() if t.dim() == 0 else reduced
-            offset += t.numel()
+        step.metrics = _shaped(tensors, values)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -598,6 +590,21 @@ class ElasticLoop:
         if self.tx:
             self.tx.session.fresh = False
         return True
+
+
+def _flat(metrics: dict[str, torch.Tensor]) -> list[float]:
+    """Metrics as a transaction sums them: their numbers in one list."""
+    return [x for t in metrics.values() for x in t.reshape(-1).tolist()]
+
+
+def _shaped(metrics: dict[str, torch.Tensor], values: list[float]) -> dict[str, float | torch.Tensor]:
+    """`values` (`_flat(metrics)`, summed) in the metrics' names and shapes: a number for each scalar."""
+    shaped, offset = {}, 0
+    for name, t in metrics.items():
+        value = torch.tensor(values[offset : offset + t.numel()], dtype=torch.float64).reshape(t.shape)
+        shaped[name] = value.item() if t.dim() == 0 else value
+        offset += t.numel()
+    return shaped
 
 
 def _semi_synchronous(config: ElasticConfig, outer_optimizer) -> bool:

@@ -131,9 +131,9 @@ class SemiSync:
             self.shapes[name] = list(t.shape)
             self.metrics[name] = self.metrics[name] + t if name in self.metrics else t.clone()
 
-    def metric_values(self) -> tuple[list[str], list[torch.Tensor]]:
-        names = sorted(self.shapes)
-        return names, [self.metrics.get(n, torch.zeros(self.shapes[n], dtype=torch.float64)) for n in names]
+    def round_metrics(self) -> dict[str, torch.Tensor]:
+        """The round's metrics, by name in one order on every replica; zeros for those it never passed."""
+        return {n: self.metrics.get(n, torch.zeros(self.shapes[n], dtype=torch.float64)) for n in sorted(self.shapes)}
 
     def synced_state(self) -> dict[str, torch.Tensor]:
         """The synced parameters under every name the model's state dict gives them."""

@@ -76,8 +76,8 @@ def test_local_sgd_is_the_mean_of_the_parameters_and_a_replica_that_trained_noth
     semi.add_metrics({"loss": torch.tensor(2.0, dtype=torch.float64), "seen": torch.ones(3, dtype=torch.float64)})
     other = SemiSync(nn.Linear(2, 1), "local_sgd", 4, None)
     other.load_state_dict(semi.state_dict(), rid=3)
-    names, values = other.metric_values()
-    assert names == ["loss", "seen"] and [v.tolist() for v in values] == [0.0, [0.0, 0.0, 0.0]]
+    metrics = other.round_metrics()
+    assert list(metrics) == ["loss", "seen"] and [v.tolist() for v in metrics.values()] == [0.0, [0.0, 0.0, 0.0]]
 
 
 def test_a_replica_healed_into_a_sync_trains_again_what_the_ledger_says_it_trained_and_a_newcomer_owes_nothing():
